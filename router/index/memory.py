@@ -1,0 +1,168 @@
+"""In-process prefix index: the embedded default (no Redis), and the simulator's index.
+
+State lives in plain dicts guarded by one lock, so the router's event loop, a KV-event
+consumer and the virtual-time simulator can share one instance. No iteration over a dict
+happens while another caller can mutate it (FAULTS.md 11.1): every method holds the lock
+for its whole (short, non-awaiting) body.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+from typing import Sequence
+
+from router.clock import Clock, SystemClock
+from router.hashing import BlockHash
+from router.index.base import IndexStats, KVEvent, PrefixIndex
+
+
+class MemoryPrefixIndex(PrefixIndex):
+    """Prefix index held in this process.
+
+    Args:
+        clock: time source for predicted-entry expiry.
+        max_predicted_entries: bound on live predicted (block, replica) pairs; beyond it the
+            entries closest to expiry are dropped first.
+    """
+
+    def __init__(self, clock: Clock | None = None, max_predicted_entries: int = 4_000_000):
+        self.clock = clock or SystemClock()
+        self.max_predicted_entries = max_predicted_entries
+        self._lock = threading.Lock()
+        # block hash -> {replica: physical copies held by the engine (exact, > 0)}
+        self._exact: dict[int, dict[str, int]] = {}
+        # block hash -> {replica: expiry time (s)}
+        self._predicted: dict[int, dict[str, float]] = {}
+        self._exact_by_replica: dict[str, set[int]] = {}
+        self._expiry_heap: list[tuple[float, int, str]] = []
+        self._n_predicted = 0
+
+    # --- queries ---------------------------------------------------------------------
+    async def lookup(self, block_hashes: Sequence[BlockHash],
+                     replicas: Sequence[str]) -> dict[str, int]:
+        return self.lookup_now(block_hashes, replicas)
+
+    def lookup_now(self, block_hashes: Sequence[BlockHash],
+                   replicas: Sequence[str]) -> dict[str, int]:
+        """Synchronous ``lookup`` (the simulator calls it directly)."""
+        now = self.clock.now()
+        matched = {r: len(block_hashes) for r in replicas}
+        alive = set(replicas)
+        with self._lock:
+            for i, h in enumerate(block_hashes):
+                exact = self._exact.get(h)
+                pred = self._predicted.get(h)
+                lost = [r for r in alive
+                        if not ((exact and exact.get(r, 0) > 0)
+                                or (pred and pred.get(r, 0.0) > now))]
+                for r in lost:
+                    matched[r] = i
+                    alive.discard(r)
+                if not alive:
+                    break
+        return matched
+
+    async def stats(self) -> IndexStats:
+        with self._lock:
+            self._expire_locked(self.clock.now())
+            blocks = len(self._exact.keys() | self._predicted.keys())
+            entries = sum(len(v) for v in self._exact.values()) + self._n_predicted
+        return IndexStats(blocks=blocks, entries=entries)
+
+    # --- predicted entries -----------------------------------------------------------
+    async def record_predicted(self, replica: str, block_hashes: Sequence[BlockHash],
+                               ttl_s: float) -> None:
+        self.record_predicted_now(replica, block_hashes, ttl_s)
+
+    def record_predicted_now(self, replica: str, block_hashes: Sequence[BlockHash],
+                             ttl_s: float) -> None:
+        """Synchronous ``record_predicted``."""
+        now = self.clock.now()
+        expiry = now + ttl_s
+        with self._lock:
+            for h in block_hashes:
+                owners = self._predicted.setdefault(h, {})
+                old = owners.get(replica)
+                if old is None or old <= now:
+                    if old is None:
+                        self._n_predicted += 1
+                    owners[replica] = expiry
+                    heapq.heappush(self._expiry_heap, (expiry, h, replica))
+                elif old < expiry:
+                    owners[replica] = expiry
+                    heapq.heappush(self._expiry_heap, (expiry, h, replica))
+            self._expire_locked(now)
+            while self._n_predicted > self.max_predicted_entries and self._expiry_heap:
+                self._pop_heap_locked(force=True, now=now)
+
+    def _pop_heap_locked(self, force: bool, now: float) -> None:
+        expiry, h, r = heapq.heappop(self._expiry_heap)
+        owners = self._predicted.get(h)
+        if owners is None or owners.get(r) != expiry:
+            return  # superseded by a later push
+        if force or expiry <= now:
+            del owners[r]
+            self._n_predicted -= 1
+            if not owners:
+                del self._predicted[h]
+
+    def _expire_locked(self, now: float) -> None:
+        heap = self._expiry_heap
+        while heap and heap[0][0] <= now:
+            self._pop_heap_locked(force=False, now=now)
+        # Drop superseded heap items if they pile up (each live entry has one current item).
+        if len(heap) > 4 * max(self._n_predicted, 1024):
+            self._expiry_heap = [(e, h, r) for (e, h, r) in heap
+                                 if self._predicted.get(h, {}).get(r) == e]
+            heapq.heapify(self._expiry_heap)
+
+    # --- exact entries ---------------------------------------------------------------
+    async def apply_events(self, replica: str, events: Sequence[KVEvent]) -> None:
+        self.apply_events_now(replica, events)
+
+    def apply_events_now(self, replica: str, events: Sequence[KVEvent]) -> None:
+        """Synchronous ``apply_events``."""
+        with self._lock:
+            held = self._exact_by_replica.setdefault(replica, set())
+            for ev in events:
+                if ev.kind == "cleared":
+                    self._clear_exact_locked(replica)
+                    held = self._exact_by_replica.setdefault(replica, set())
+                elif ev.medium not in (None, "GPU"):
+                    continue
+                elif ev.kind == "stored":
+                    for h in ev.block_hashes:
+                        owners = self._exact.setdefault(h, {})
+                        owners[replica] = owners.get(replica, 0) + 1
+                        held.add(h)
+                elif ev.kind == "removed":
+                    for h in ev.block_hashes:
+                        owners = self._exact.get(h)
+                        if not owners or replica not in owners:
+                            continue
+                        if owners[replica] <= 1:
+                            del owners[replica]
+                            held.discard(h)
+                            if not owners:
+                                del self._exact[h]
+                        else:
+                            owners[replica] -= 1
+
+    def _clear_exact_locked(self, replica: str) -> None:
+        for h in self._exact_by_replica.pop(replica, set()):
+            owners = self._exact.get(h)
+            if owners is not None:
+                owners.pop(replica, None)
+                if not owners:
+                    del self._exact[h]
+
+    async def remove_replica(self, replica: str) -> None:
+        with self._lock:
+            self._clear_exact_locked(replica)
+            for h in [h for h, owners in self._predicted.items() if replica in owners]:
+                owners = self._predicted[h]
+                del owners[replica]
+                self._n_predicted -= 1
+                if not owners:
+                    del self._predicted[h]

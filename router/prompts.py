@@ -1,0 +1,188 @@
+"""Prompt to token ids, exactly as the engine renders and tokenizes it.
+
+The router hashes the tokens the engine caches, so it renders the chat template and
+tokenizes with the served model's own tokenizer files (``transformers``), with vLLM's
+defaults:
+
+* chat: text parts of a message's ``content`` list are joined with ``"\\n"`` (vLLM's
+  "string" content format, ``vllm/renderers/chat_utils.py`` ``_parse_chat_message_content_parts``
+  in 0.32), ``None`` content becomes ``""``; ``tools``, ``chat_template_kwargs``,
+  ``add_generation_prompt`` (default true) and ``continue_final_message`` enter the template;
+  ``apply_chat_template(tokenize=True)`` encodes without special tokens (chat
+  ``add_special_tokens=False``, ``chat_completion/protocol.py:337``).
+* completions: a string prompt is encoded with ``add_special_tokens=True``
+  (``completion/protocol.py:117``); a list of ints is used as is.
+
+Requests whose cached blocks depend on more than text (images, audio, prompt embeddings,
+several prompts in one request) or that the router cannot render get ``cacheable=False``:
+they are routed by load, never on a hash that could match the wrong prefix. Rendering never
+raises to the caller: the engine answers malformed requests with its own 400.
+
+Tokenization parity with a real engine is checked in ``tests/integration/test_engine_parity.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+_TEXT_PART_TYPES = {"text", "input_text"}
+
+
+@dataclass
+class PromptInfo:
+    """What the router knows about a request's prompt.
+
+    Attributes:
+        token_ids: the prompt's token ids as the engine computes them (empty if not cacheable).
+        cacheable: whether block hashes of ``token_ids`` predict the engine's cache.
+        reason: why not cacheable ("" when cacheable).
+        cache_salt: the request's ``cache_salt`` (mixed into block 0 by vLLM).
+        lora_name: LoRA adapter name if ``model`` names one (mixed into every block).
+    """
+
+    token_ids: list[int] = field(default_factory=list)
+    cacheable: bool = True
+    reason: str = ""
+    cache_salt: str | None = None
+    lora_name: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def _content_to_text(content: Any) -> str | None:
+    """vLLM's string-format content: a string, or text parts joined by newlines.
+
+    Returns None when the content has a non-text part (image, audio, file...).
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if isinstance(part, str):
+                texts.append(part)
+            elif isinstance(part, dict) and part.get("type") in _TEXT_PART_TYPES \
+                    and isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            else:
+                return None
+        return "\n".join(texts)
+    return None
+
+
+def _parse_tool_calls(calls: Any) -> list[dict] | None:
+    """Assistant tool calls with JSON-string arguments parsed to dicts, as vLLM does."""
+    if not isinstance(calls, list) or not calls:
+        return None
+    out = []
+    for item in calls:
+        if not isinstance(item, dict) or not isinstance(item.get("function"), dict):
+            raise ValueError("tool_calls entries must be objects with a function")
+        fn = dict(item["function"])
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                fn["arguments"] = json.loads(args)
+            except json.JSONDecodeError:
+                pass
+        out.append({**item, "function": fn})
+    return out
+
+
+class PromptRenderer:
+    """Renders and tokenizes requests with the served model's tokenizer.
+
+    Args:
+        tokenizer_path: a directory with ``tokenizer.json`` and ``tokenizer_config.json``
+            (the engine's own files).
+    Raises:
+        OSError / ValueError: the tokenizer cannot be loaded (a start-up error: the router
+            must not run without it, FAULTS.md 8.2).
+    """
+
+    def __init__(self, tokenizer_path: str, lora_names: frozenset[str] = frozenset()):
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.lora_names = lora_names
+        self._lock = threading.Lock()  # HF fast tokenizers are not re-entrant across threads
+        if not getattr(self.tokenizer, "chat_template", None):
+            logger.warning("tokenizer at %s has no chat template; chat requests will be "
+                           "routed by load", tokenizer_path)
+
+    def render(self, path: str, body: dict[str, Any]) -> PromptInfo:
+        """Token ids of the request at ``path`` with JSON ``body``; never raises."""
+        try:
+            info = self._render_chat(body) if path == CHAT_PATH else self._render_completion(body)
+        except Exception as exc:  # the engine gives the authoritative 4xx for bad input
+            logger.debug("prompt not rendered (%s): routing by load", exc)
+            return PromptInfo(cacheable=False, reason=f"render failed: {type(exc).__name__}")
+        if info.cacheable:
+            salt = body.get("cache_salt")
+            info.cache_salt = salt if isinstance(salt, str) and salt else None
+            model = body.get("model")
+            info.lora_name = model if model in self.lora_names else None
+        return info
+
+    def _render_chat(self, body: dict[str, Any]) -> PromptInfo:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return PromptInfo(cacheable=False, reason="no messages")
+        conversation = []
+        for msg in messages:
+            if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+                return PromptInfo(cacheable=False, reason="malformed message")
+            text = _content_to_text(msg.get("content"))
+            if text is None:
+                return PromptInfo(cacheable=False, reason="non-text content")
+            conv = {"role": msg["role"], "content": text}
+            if msg["role"] == "assistant":
+                calls = _parse_tool_calls(msg.get("tool_calls"))
+                if calls:
+                    conv["tool_calls"] = calls
+                if msg.get("reasoning") is not None:
+                    conv["reasoning"] = conv["reasoning_content"] = msg["reasoning"]
+            elif msg["role"] == "tool" and "tool_call_id" in msg:
+                conv["tool_call_id"] = msg["tool_call_id"]
+            if "name" in msg and isinstance(msg["name"], str):
+                conv["name"] = msg["name"]
+            conversation.append(conv)
+        kwargs = dict(body.get("chat_template_kwargs") or {})
+        kwargs.setdefault("add_generation_prompt", body.get("add_generation_prompt", True))
+        kwargs.setdefault("continue_final_message", body.get("continue_final_message", False))
+        if kwargs["continue_final_message"]:
+            kwargs["add_generation_prompt"] = False
+        tools = body.get("tools")
+        with self._lock:
+            ids = self.tokenizer.apply_chat_template(
+                conversation, tools=tools if tools else None, tokenize=True, return_dict=False,
+                **kwargs)
+        return PromptInfo(token_ids=[int(t) for t in ids])
+
+    def _render_completion(self, body: dict[str, Any]) -> PromptInfo:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
+            prompt = prompt[0]  # a batch of one prompt
+        if isinstance(prompt, str):
+            if not prompt:
+                return PromptInfo(cacheable=False, reason="empty prompt")
+            add_special = body.get("add_special_tokens", True)
+            with self._lock:
+                ids = self.tokenizer.encode(prompt, add_special_tokens=bool(add_special))
+            return PromptInfo(token_ids=[int(t) for t in ids])
+        if isinstance(prompt, list) and prompt and all(
+                isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return PromptInfo(token_ids=list(prompt))
+        return PromptInfo(cacheable=False, reason="prompt is not one text or token list")

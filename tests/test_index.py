@@ -1,0 +1,141 @@
+"""One test suite for every prefix-index backend: memory, fakeredis and the real Redis."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from router.clock import ManualClock
+from router.index.base import IndexUnavailable, KVEvent
+from router.index.memory import MemoryPrefixIndex
+from router.index.redis_index import RedisPrefixIndex
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture(params=["memory", "fakeredis", "redis"])
+async def index(request):
+    clock = ManualClock(time.time())  # Redis expires keys by wall time: start there
+    if request.param == "memory":
+        idx = MemoryPrefixIndex(clock=clock)
+        yield idx
+        return
+    ns = f"test-{uuid.uuid4().hex[:8]}"
+    idx = RedisPrefixIndex(REDIS_URL, namespace=ns, timeout_s=2.0, clock=clock)
+    if request.param == "fakeredis":
+        import fakeredis
+        fake = fakeredis.FakeAsyncRedis()
+        idx.conn.client = lambda: fake  # the fake server stands in for the URL
+    yield idx
+    await idx.flush()
+    await idx.close()
+
+
+def stored(*hs):
+    return KVEvent("stored", list(hs))
+
+
+def removed(*hs):
+    return KVEvent("removed", list(hs))
+
+
+async def test_lookup_of_unknown_blocks_is_zero_for_every_candidate(index):
+    assert await index.lookup([1, 2, 3], ["A", "B"]) == {"A": 0, "B": 0}
+    assert await index.lookup([], ["A"]) == {"A": 0}
+    assert await index.lookup([1], []) == {}
+
+
+async def test_predicted_entries_match_until_they_expire(index):
+    await index.record_predicted("A", [11, 12, 13], ttl_s=10)
+    assert await index.lookup([11, 12, 13, 14], ["A", "B"]) == {"A": 3, "B": 0}
+    index.clock.advance(9.9)
+    assert (await index.lookup([11, 12], ["A"]))["A"] == 2
+    index.clock.advance(0.2)
+    assert (await index.lookup([11, 12], ["A"]))["A"] == 0
+
+
+async def test_predicted_expiry_only_moves_later(index):
+    await index.record_predicted("A", [1, 2], ttl_s=100)
+    await index.record_predicted("A", [1, 2], ttl_s=1)
+    index.clock.advance(50)
+    assert (await index.lookup([1, 2], ["A"]))["A"] == 2
+
+
+async def test_match_stops_at_first_missing_block(index):
+    """FAULTS.md 2.4: blocks 1..3 stored, block 1 evicted: nothing is reusable."""
+    await index.apply_events("A", [stored(1, 2, 3)])
+    assert (await index.lookup([1, 2, 3], ["A"]))["A"] == 3
+    await index.apply_events("A", [removed(1)])
+    assert (await index.lookup([1, 2, 3], ["A"]))["A"] == 0
+    await index.apply_events("B", [stored(2, 3)])
+    assert await index.lookup([1, 2, 3], ["A", "B"]) == {"A": 0, "B": 0}
+
+
+async def test_removing_one_physical_copy_keeps_the_other(index):
+    """The engine can hold two blocks with one hash; one BlockRemoved leaves one copy."""
+    await index.apply_events("A", [stored(7, 8), stored(8)])
+    await index.apply_events("A", [removed(8)])
+    assert (await index.lookup([7, 8], ["A"]))["A"] == 2
+    await index.apply_events("A", [removed(8)])
+    assert (await index.lookup([7, 8], ["A"]))["A"] == 1
+
+
+async def test_removal_of_unknown_block_is_ignored(index):
+    await index.apply_events("A", [removed(99)])
+    await index.apply_events("A", [stored(99)])
+    assert (await index.lookup([99], ["A"]))["A"] == 1
+
+
+async def test_all_blocks_cleared_drops_only_that_replicas_exact_entries(index):
+    await index.apply_events("A", [stored(1, 2)])
+    await index.apply_events("B", [stored(1, 2)])
+    await index.apply_events("A", [KVEvent("cleared")])
+    assert await index.lookup([1, 2], ["A", "B"]) == {"A": 0, "B": 2}
+    await index.apply_events("A", [stored(1)])  # learns again after the clear
+    assert (await index.lookup([1, 2], ["A"]))["A"] == 1
+
+
+async def test_events_of_other_media_are_ignored(index):
+    await index.apply_events("A", [KVEvent("stored", [5], medium="CPU")])
+    assert (await index.lookup([5], ["A"]))["A"] == 0
+
+
+async def test_exact_and_predicted_entries_combine(index):
+    await index.apply_events("A", [stored(1, 2)])
+    await index.record_predicted("A", [1, 2, 3, 4], ttl_s=5)
+    assert (await index.lookup([1, 2, 3, 4], ["A"]))["A"] == 4
+    index.clock.advance(6)
+    assert (await index.lookup([1, 2, 3, 4], ["A"]))["A"] == 2
+
+
+async def test_exact_entry_outlives_a_predicted_ttl_on_the_same_block(index):
+    await index.record_predicted("A", [1], ttl_s=1)
+    await index.apply_events("B", [stored(1)])
+    index.clock.advance(5)
+    assert await index.lookup([1], ["A", "B"]) == {"A": 0, "B": 1}
+
+
+async def test_remove_replica_purges_exact_and_predicted_entries(index):
+    await index.apply_events("A", [stored(1, 2)])
+    await index.record_predicted("A", [1, 2, 3], ttl_s=60)
+    await index.record_predicted("B", [1, 2, 3], ttl_s=60)
+    await index.remove_replica("A")
+    assert await index.lookup([1, 2, 3], ["A", "B"]) == {"A": 0, "B": 3}
+    stats = await index.stats()
+    assert stats.entries == 3
+
+
+async def test_stats_count_entries(index):
+    await index.apply_events("A", [stored(1, 2)])
+    await index.record_predicted("B", [1], ttl_s=60)
+    assert (await index.stats()).entries == 3
+
+
+async def test_unreachable_redis_raises_index_unavailable_within_timeout():
+    idx = RedisPrefixIndex("redis://127.0.0.1:1/0", timeout_s=0.2)
+    with pytest.raises(IndexUnavailable):
+        await idx.lookup([1, 2], ["A"])
+    with pytest.raises(IndexUnavailable):
+        await idx.record_predicted("A", [1], 1)
