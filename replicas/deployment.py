@@ -1,0 +1,203 @@
+"""The engine replica: a Ray Serve deployment that supervises one engine and proxies to it.
+
+Each replica starts its engine (``replicas.engine``) on free local ports in ``__init__``,
+advertises its endpoints and hash settings through ``record_replica_metadata`` (read by
+the router; DESIGN.md decision 5), its measured load and prefill rate through
+``record_routing_stats``, and serves ``generate``: it forwards the client's body to the
+engine untouched and streams the engine's bytes back. Closing the stream (client gone)
+closes the upstream connection, which makes vLLM abort the request
+(``with_cancellation``, ``../shared/reference/RAY_SERVE_AND_VLLM.md`` section 2.2).
+
+A dead engine is restarted up to ``Settings.engine_restarts`` times; meanwhile requests get
+a retryable 503 head (the ingress retries them on another replica), and once restarts are
+exhausted ``check_health`` fails so Ray Serve replaces the replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any, AsyncIterator
+
+import httpx
+from ray import serve
+
+from replicas.engine import EnginePorts, EngineProcess, EngineStartError, free_port
+from replicas.engine_metrics import PrefillRateEstimator, parse_engine_metrics
+from router.config import Settings
+from router.protocol import ReplicaHead, RoutedRequest
+
+logger = logging.getLogger("ray.serve")
+
+_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "date",
+                "server"}
+
+
+def _detect_device(setting: str) -> str:
+    if setting != "auto":
+        return setting
+    try:
+        import ray
+        return "gpu" if ray.get_gpu_ids() else "cpu"
+    except Exception:
+        return "cpu"
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return "127.0.0.1"
+
+
+class EngineReplica:
+    """One engine behind Ray Serve. Constructed by Serve with the settings as a dict."""
+
+    async def __init__(self, settings: dict[str, Any]):
+        self.settings = Settings(**settings)
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # constructed outside Serve (tests)
+            self.replica_id = f"local-{os.getpid()}"
+        self.device = _detect_device(self.settings.device)
+        base = self.settings.kv_events_port_base
+        rank = 0
+        try:
+            rank = serve.get_replica_context().rank.local_rank
+        except Exception:
+            pass
+        kv_port = free_port() if base == 0 else _first_free(base + 2 * rank)
+        self.ports = EnginePorts(http=free_port(), kv_events=kv_port,
+                                 kv_replay=_first_free(kv_port + 1))
+        self.engine = EngineProcess(self.settings, self.ports, topic=self.replica_id,
+                                    device=self.device)
+        self.restarts = 0
+        self.failed = False
+        self.started_at = time.time()
+        await self.engine.start()
+        self.client = httpx.AsyncClient(
+            base_url=self.engine.url,
+            timeout=httpx.Timeout(self.settings.request_timeout_s, connect=5.0),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        self.rate = PrefillRateEstimator(self.settings.prefill_tokens_per_s)
+        self.stats: dict[str, Any] = {}
+        self._monitor = asyncio.get_running_loop().create_task(self._watch_engine())
+
+    # --- Serve hooks -------------------------------------------------------------------
+    def record_replica_metadata(self) -> dict[str, Any]:
+        ip = _node_ip()
+        return {
+            "replica_id": self.replica_id,
+            "engine": self.settings.engine,
+            "engine_url": f"http://{ip}:{self.ports.http}",
+            "kv_events_endpoint": f"tcp://{ip}:{self.ports.kv_events}",
+            "kv_replay_endpoint": f"tcp://{ip}:{self.ports.kv_replay}",
+            "kv_events_topic": self.replica_id,
+            "model": self.settings.served_model_name,
+            "device": self.device,
+            **self.settings.hash_settings.as_dict(),
+        }
+
+    async def record_routing_stats(self) -> dict[str, Any]:
+        await self._scrape()
+        return dict(self.stats)
+
+    async def check_health(self) -> None:
+        if self.failed:
+            raise RuntimeError(f"engine of replica {self.replica_id} is dead after "
+                               f"{self.restarts} restarts:\n{self.engine.log_tail(2000)}")
+
+    # --- request path ------------------------------------------------------------------
+    async def generate(self, req: RoutedRequest) -> AsyncIterator[Any]:
+        """Yield a ``ReplicaHead``, then the engine's response body as raw byte chunks."""
+        predicted = req.predicted_cached_tokens.get(self.replica_id, 0)
+        if not self.engine.alive():
+            yield ReplicaHead(self.replica_id, 503, {}, retryable=True,
+                              error="engine is not running", predicted_cached_tokens=predicted)
+            return
+        request = self.client.build_request(
+            "POST", req.path, content=req.body, headers={"content-type": "application/json"})
+        try:
+            resp = await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            yield ReplicaHead(self.replica_id, 503, {}, retryable=True,
+                              error=f"engine unreachable: {type(exc).__name__}",
+                              predicted_cached_tokens=predicted)
+            return
+        try:
+            headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
+            retryable = resp.status_code >= 500
+            yield ReplicaHead(self.replica_id, resp.status_code, headers, retryable=retryable,
+                              predicted_cached_tokens=predicted)
+            async for chunk in resp.aiter_raw():
+                yield chunk
+        finally:
+            await resp.aclose()
+
+    async def models(self) -> dict[str, Any]:
+        """The engine's ``GET /v1/models`` answer."""
+        r = await self.client.get("/v1/models", timeout=10.0)
+        return r.json()
+
+    async def engine_info(self) -> dict[str, Any]:
+        """Metadata plus the engine's process id and restarts (tests, operators)."""
+        return {**self.record_replica_metadata(),
+                "engine_pid": self.engine.proc.pid if self.engine.proc else None,
+                "restarts": self.restarts, "alive": self.engine.alive()}
+
+    # --- supervision -------------------------------------------------------------------
+    async def _scrape(self) -> None:
+        try:
+            r = await self.client.get("/metrics", timeout=2.0)
+            snap = parse_engine_metrics(r.text)
+        except Exception as exc:
+            self.stats["scrape_error"] = type(exc).__name__
+            return
+        self.stats = {"prefill_tokens_per_s": self.rate.update(snap),
+                      "running": snap.running, "waiting": snap.waiting,
+                      "kv_usage_frac": snap.kv_usage_frac, "engine_alive": self.engine.alive(),
+                      "restarts": self.restarts}
+
+    async def _watch_engine(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            if self.engine.alive() or self.failed:
+                continue
+            logger.error("engine of replica %s exited (code %s); log tail:\n%s",
+                         self.replica_id, self.engine.proc.returncode if self.engine.proc
+                         else None, self.engine.log_tail(2000))
+            if self.restarts >= self.settings.engine_restarts:
+                self.failed = True
+                continue
+            self.restarts += 1
+            try:
+                await self.engine.start()
+            except EngineStartError as exc:
+                logger.error("restart %d of replica %s failed: %s", self.restarts,
+                             self.replica_id, exc)
+
+    async def __del__(self):
+        await self.shutdown()
+
+    async def shutdown(self) -> None:
+        if getattr(self, "_monitor", None):
+            self._monitor.cancel()
+        if getattr(self, "engine", None):
+            await self.engine.stop()
+
+
+def _first_free(port: int, host: str = "0.0.0.0") -> int:
+    """``port`` if it can be bound, else the next free one above it."""
+    import socket
+    for p in range(port, port + 200):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, p))
+                return p
+            except OSError:
+                continue
+    return free_port()

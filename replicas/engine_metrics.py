@@ -1,0 +1,80 @@
+"""Load and speed of an engine, read from its Prometheus ``/metrics``.
+
+Metric names are vLLM's (``vllm/v1/metrics/loggers.py``; table in
+``../shared/reference/RAY_SERVE_AND_VLLM.md`` section 4.7). The prefill rate is measured,
+not configured: Δ(prompt tokens − cached prompt tokens) / Δ(sum of request prefill time)
+between two scrapes, i.e. uncached tokens prefilled per second of prefill (DESIGN.md
+decision 4).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+@dataclass
+class EngineSnapshot:
+    """Totals and gauges of one scrape (sums over the engine's label sets)."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage_frac: float = 0.0
+    prompt_tokens_total: float = 0.0
+    prompt_tokens_cached_total: float = 0.0
+    prefill_time_sum_s: float = 0.0
+    prefill_time_count: float = 0.0
+    prefix_cache_queries_total: float = 0.0
+    prefix_cache_hits_total: float = 0.0
+
+
+_GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+           "vllm:kv_cache_usage_perc": "kv_usage_frac"}
+_SAMPLES = {"vllm:prompt_tokens_total": "prompt_tokens_total",
+            "vllm:prompt_tokens_cached_total": "prompt_tokens_cached_total",
+            "vllm:request_prefill_time_seconds_sum": "prefill_time_sum_s",
+            "vllm:request_prefill_time_seconds_count": "prefill_time_count",
+            "vllm:prefix_cache_queries_total": "prefix_cache_queries_total",
+            "vllm:prefix_cache_hits_total": "prefix_cache_hits_total"}
+
+
+def parse_engine_metrics(text: str) -> EngineSnapshot:
+    """Parse vLLM's ``/metrics`` text; unknown or missing metrics stay 0."""
+    snap = EngineSnapshot()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            attr = _GAUGES.get(sample.name) or _SAMPLES.get(sample.name)
+            if attr:
+                setattr(snap, attr, getattr(snap, attr) + sample.value)
+    return snap
+
+
+@dataclass
+class PrefillRateEstimator:
+    """Uncached prompt tokens per second of prefill, from successive snapshots.
+
+    Keeps the last measured rate when no prefill happened between two scrapes; starts at
+    ``initial_tokens_per_s`` (``Settings.prefill_tokens_per_s``). Smoothed with an
+    exponential moving average of weight ``alpha`` per measurement.
+    """
+
+    initial_tokens_per_s: float
+    alpha: float = 0.5
+    rate_tokens_per_s: float = field(init=False)
+    _last: EngineSnapshot | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        self.rate_tokens_per_s = self.initial_tokens_per_s
+
+    def update(self, snap: EngineSnapshot) -> float:
+        last, self._last = self._last, snap
+        if last is not None:
+            d_tokens = ((snap.prompt_tokens_total - snap.prompt_tokens_cached_total)
+                        - (last.prompt_tokens_total - last.prompt_tokens_cached_total))
+            d_time = snap.prefill_time_sum_s - last.prefill_time_sum_s
+            if d_tokens > 0 and d_time > 0:
+                measured = d_tokens / d_time
+                self.rate_tokens_per_s = (self.alpha * measured
+                                          + (1 - self.alpha) * self.rate_tokens_per_s)
+        return self.rate_tokens_per_s

@@ -1,0 +1,170 @@
+"""The Ray Serve application: the ingress deployment in front of the engine deployment.
+
+``serve run deploy/cpu.yaml`` (or ``python -m deploy.run``) calls ``build_app(args)``; the
+YAML's ``args`` are ``Settings`` fields and override the environment and the config file.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from router import state
+from router.config import DEFAULT_MODEL_DIR, Settings
+from router.errors import OpenAIError, no_replicas
+from router.ingress import IngressCore, build_fastapi_app
+from router.prompts import CHAT_PATH, COMPLETIONS_PATH
+
+logger = logging.getLogger("ray.serve")
+
+fastapi_app = build_fastapi_app()
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 beyond ``limit`` bytes (FAULTS.md 10.2)."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        logger.warning("request body of %s bytes refused (limit %d)", declared, limit)
+        raise OpenAIError(413, f"request body exceeds the router's limit of {limit} bytes "
+                               "(setting max_body_bytes)", "RequestTooLargeError")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            logger.warning("request body over %d bytes refused", limit)
+            raise OpenAIError(413, f"request body exceeds the router's limit of {limit} bytes "
+                                   "(setting max_body_bytes)", "RequestTooLargeError")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@serve.deployment(name="Ingress")
+@serve.ingress(fastapi_app)
+class Ingress:
+    """OpenAI-compatible HTTP front door (see ``router.ingress``)."""
+
+    def __init__(self, settings: dict[str, Any], engine_handle):
+        self.settings = Settings(**settings)
+        self.core = IngressCore(self.settings, engine_handle)
+        self.engine_handle = engine_handle
+
+    async def _infer(self, path: str, request: Request) -> Response:
+        t0 = time.perf_counter()
+        route = path.rsplit("/", 1)[-1]
+        from router import metrics
+        try:
+            raw = await _read_body(request, self.settings.max_body_bytes)
+            resp = await self.core.handle(path, raw, t0)
+        except OpenAIError as exc:
+            metrics.inc("requests", 1, tags={"route": route, "status": str(exc.status)})
+            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        except Exception as exc:  # a bug: still an OpenAI-style body, and a log line
+            logger.exception("unexpected error on %s", path)
+            metrics.inc("requests", 1, tags={"route": route, "status": "500"})
+            err = OpenAIError(500, f"internal router error: {type(exc).__name__}",
+                              "InternalServerError")
+            return JSONResponse(err.body(), status_code=500)
+        metrics.inc("requests", 1, tags={"route": route, "status": str(resp.status_code)})
+        return resp
+
+    @fastapi_app.post(CHAT_PATH)
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._infer(CHAT_PATH, request)
+
+    @fastapi_app.post(COMPLETIONS_PATH)
+    async def completions(self, request: Request) -> Response:
+        return await self._infer(COMPLETIONS_PATH, request)
+
+    @fastapi_app.get("/v1/models")
+    async def models(self) -> Response:
+        if state.peek("replica_count") == 0:
+            err = no_replicas()
+            return JSONResponse(err.body(), status_code=503, headers=err.headers)
+        body = await self.engine_handle.models.remote()
+        return JSONResponse(body)
+
+    @fastapi_app.get("/health")
+    async def health(self) -> Response:
+        n = state.peek("replica_count")
+        ok = n is None or n > 0
+        return JSONResponse({"status": "ok" if ok else "no replicas", "replicas": n},
+                            status_code=200 if ok else 503)
+
+    @fastapi_app.get("/metrics")
+    async def metrics_text(self) -> Response:
+        return PlainTextResponse(await scrape_ray_metrics(),
+                                 media_type="text/plain; version=0.0.4")
+
+
+async def scrape_ray_metrics(prefixes: tuple[str, ...] = ("ray_router_",)) -> str:
+    """The router's metrics as aggregated by Ray's exporter on every node of the cluster.
+
+    Ray's per-node agent merges the records of every process on the node; this concatenates
+    the nodes' exports, keeping only the router's series (and their HELP/TYPE lines).
+    """
+    import ray
+
+    texts = []
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        for node in ray.nodes():
+            if not node.get("Alive"):
+                continue
+            url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+            try:
+                texts.append((await client.get(url)).text)
+            except httpx.HTTPError as exc:
+                logger.warning("metrics of node %s unavailable: %s", url, exc)
+    lines = []
+    for text in texts:
+        for line in text.splitlines():
+            name = line.split(" ", 3)[2] if line.startswith("# ") and len(line.split(" ")) > 2 \
+                else line
+            if any(name.startswith(p) for p in prefixes):
+                lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def engine_deployment(settings: Settings):
+    """The engine deployment with the prefix-aware ``RequestRouter`` attached."""
+    from replicas.deployment import EngineReplica
+
+    resources: dict[str, Any] = {"num_cpus": settings.replica_num_cpus}
+    if settings.replica_num_gpus:
+        resources["num_gpus"] = settings.replica_num_gpus
+    return serve.deployment(EngineReplica, name="EngineReplica").options(
+        num_replicas=settings.num_replicas,
+        ray_actor_options=resources,
+        max_ongoing_requests=settings.max_ongoing_requests,
+        health_check_period_s=5,
+        health_check_timeout_s=30,
+        graceful_shutdown_timeout_s=20,
+        request_router_config=RequestRouterConfig(
+            request_router_class="router.request_router:PrefixCacheRequestRouter",
+            request_router_kwargs={"settings": settings.dump()},
+            request_routing_stats_period_s=2,
+            request_routing_stats_timeout_s=5,
+        ),
+    )
+
+
+def build_app(args: dict[str, Any] | None = None):
+    """Ray Serve application builder: ``args`` are ``Settings`` fields."""
+    settings = Settings(**(args or {}))
+    if settings.model == str(DEFAULT_MODEL_DIR):
+        from deploy.make_model import ensure_model
+        ensure_model(DEFAULT_MODEL_DIR)
+    engines = engine_deployment(settings).bind(settings.dump())
+    return Ingress.options(
+        num_replicas=settings.ingress_replicas,
+        ray_actor_options={"num_cpus": settings.ingress_num_cpus},
+        max_ongoing_requests=max(settings.max_ongoing_requests * max(settings.num_replicas, 1),
+                                 100),
+    ).bind(settings.dump(), engines)
+

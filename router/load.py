@@ -1,0 +1,152 @@
+"""Per-replica load that the routers themselves put on the engines.
+
+A reservation is taken for every dispatched request and released on every exit path (the
+ingress releases it in a ``finally``; FAULTS.md 1.2 and 5.1):
+
+* ``inflight``: requests dispatched to the replica and not finished;
+* ``prefill_tokens``: uncached prompt tokens of those requests that have not produced a
+  first token yet (the prefill work queued ahead of a new request, DESIGN.md decision 4);
+* ``recent``: an exponentially decayed count of recent assignments, with half-life
+  ``recent_half_life_s``: the signal that spreads cold starts when nothing is in flight
+  (FAULTS.md 1.4).
+
+``MemoryLoadTracker`` is shared by the router loop and the ingress loop of one process (a
+lock guards it); ``RedisLoadTracker`` (``router/load_redis.py``) shares it across routers.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Sequence
+
+from router.clock import Clock, SystemClock
+
+
+@dataclass
+class ReplicaLoad:
+    """Load of one replica: ``inflight`` requests, ``prefill_tokens`` queued for prefill,
+    ``recent`` decayed assignment count (dimensionless)."""
+
+    inflight: int = 0
+    prefill_tokens: int = 0
+    recent: float = 0.0
+
+
+@dataclass
+class Reservation:
+    replica: str
+    prefill_tokens: int
+    prefill_done: bool = False
+
+
+class LoadTracker(ABC):
+    """Reservations of load per replica. All methods are coroutines and never block."""
+
+    @abstractmethod
+    async def loads(self, replicas: Sequence[str]) -> dict[str, ReplicaLoad]:
+        """Current load of each of ``replicas`` (zeros for unknown ones)."""
+
+    @abstractmethod
+    async def reserve(self, request_id: str, replica: str, prefill_tokens: int) -> None:
+        """Count ``request_id`` on ``replica``; replaces an earlier reservation of the same id."""
+
+    @abstractmethod
+    async def prefill_done(self, request_id: str) -> None:
+        """The request's first token arrived: its prefill tokens leave the queue."""
+
+    @abstractmethod
+    async def release(self, request_id: str) -> None:
+        """The request finished (success, error or disconnect). Idempotent."""
+
+    async def remove_replica(self, replica: str) -> None:
+        """Forget a replica's load (it left the deployment)."""
+
+    async def close(self) -> None:
+        pass
+
+
+class MemoryLoadTracker(LoadTracker):
+    """Load reservations held in this process (the embedded default)."""
+
+    def __init__(self, clock: Clock | None = None, recent_half_life_s: float = 30.0):
+        self.clock = clock or SystemClock()
+        self.recent_half_life_s = recent_half_life_s
+        self._lock = threading.Lock()
+        self._res: dict[str, Reservation] = {}
+        self._load: dict[str, ReplicaLoad] = {}
+        self._recent_t: dict[str, float] = {}
+
+    def _decay_locked(self, replica: str, now: float) -> ReplicaLoad:
+        load = self._load.setdefault(replica, ReplicaLoad())
+        last = self._recent_t.get(replica, now)
+        if now > last:
+            load.recent *= math.exp(-math.log(2) * (now - last) / self.recent_half_life_s)
+        self._recent_t[replica] = now
+        return load
+
+    def loads_now(self, replicas: Sequence[str]) -> dict[str, ReplicaLoad]:
+        now = self.clock.now()
+        with self._lock:
+            out = {}
+            for r in replicas:
+                load = self._decay_locked(r, now)
+                out[r] = ReplicaLoad(load.inflight, load.prefill_tokens, load.recent)
+            return out
+
+    async def loads(self, replicas: Sequence[str]) -> dict[str, ReplicaLoad]:
+        return self.loads_now(replicas)
+
+    def reserve_now(self, request_id: str, replica: str, prefill_tokens: int) -> None:
+        now = self.clock.now()
+        with self._lock:
+            self._release_locked(request_id)
+            load = self._decay_locked(replica, now)
+            load.inflight += 1
+            load.prefill_tokens += prefill_tokens
+            load.recent += 1.0
+            self._res[request_id] = Reservation(replica, prefill_tokens)
+
+    async def reserve(self, request_id: str, replica: str, prefill_tokens: int) -> None:
+        self.reserve_now(request_id, replica, prefill_tokens)
+
+    def prefill_done_now(self, request_id: str) -> None:
+        with self._lock:
+            res = self._res.get(request_id)
+            if res is not None and not res.prefill_done:
+                res.prefill_done = True
+                self._load[res.replica].prefill_tokens -= res.prefill_tokens
+
+    async def prefill_done(self, request_id: str) -> None:
+        self.prefill_done_now(request_id)
+
+    def _release_locked(self, request_id: str) -> None:
+        res = self._res.pop(request_id, None)
+        if res is None:
+            return
+        load = self._load.get(res.replica)
+        if load is None:
+            return
+        load.inflight -= 1
+        if not res.prefill_done:
+            load.prefill_tokens -= res.prefill_tokens
+
+    def release_now(self, request_id: str) -> None:
+        with self._lock:
+            self._release_locked(request_id)
+
+    async def release(self, request_id: str) -> None:
+        self.release_now(request_id)
+
+    async def remove_replica(self, replica: str) -> None:
+        with self._lock:
+            for rid in [k for k, v in self._res.items() if v.replica == replica]:
+                del self._res[rid]
+            self._load.pop(replica, None)
+            self._recent_t.pop(replica, None)
+
+    def total_inflight(self) -> int:
+        with self._lock:
+            return sum(v.inflight for v in self._load.values())

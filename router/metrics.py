@@ -1,0 +1,96 @@
+"""The router's Prometheus metrics, recorded through Ray's metrics API.
+
+``ray.util.metrics`` sends every process's records to Ray's per-node exporter, so counters
+from several ingress and replica processes add up in one export (DESIGN.md decision 6).
+Names follow FAULTS.md section 0 where it names them. Ray prefixes exported names with
+``ray_`` (``ray_router_decision_total``...). Counters are totals, never last-value gauges
+of a ratio (FAULTS.md 12.1): a hit rate is ``cached / prompt`` over a window.
+
+Metric objects are created lazily, once per process (a Serve deployment re-pickles the
+router's module, so this module keeps them, not the router).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+_lock = threading.Lock()
+_metrics: dict[str, Any] = {}
+
+OVERHEAD_BOUNDARIES_S = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
+                         0.1, 0.25, 0.5, 1.0]
+TTFT_BOUNDARIES_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+
+
+def _make() -> dict[str, Any]:
+    from ray.util.metrics import Counter, Gauge, Histogram
+
+    return {
+        "requests": Counter("router_requests_total",
+                            "Requests answered by the ingress, by route and status code.",
+                            tag_keys=("route", "status")),
+        "decisions": Counter("router_decision_total",
+                             "Routing decisions by reason: cache (a prefix match won), load "
+                             "(no useful match; load decided), fallback (index unavailable).",
+                             tag_keys=("reason", "policy")),
+        "dispatched": Counter("router_dispatched_total",
+                              "Requests dispatched to each replica (attempts, retries included).",
+                              tag_keys=("replica",)),
+        "completed": Counter("router_completed_total",
+                             "Dispatched requests finished on each replica (any outcome). "
+                             "In flight = dispatched - completed, summed over routers.",
+                             tag_keys=("replica",)),
+        "inflight": Gauge("router_inflight",
+                          "Requests this router process has in flight on each replica.",
+                          tag_keys=("replica",)),
+        "prompt_tokens": Counter("router_prompt_tokens_total",
+                                 "Prompt tokens of answered requests (engine-reported).",
+                                 tag_keys=("replica",)),
+        "engine_cached_tokens": Counter(
+            "router_engine_cached_tokens_total",
+            "usage.prompt_tokens_details.cached_tokens reported by the engines.",
+            tag_keys=("replica",)),
+        "predicted_cached_tokens": Counter(
+            "router_predicted_cached_tokens_total",
+            "Cached tokens the index predicted on the replica that served the request.",
+            tag_keys=("replica",)),
+        "predicted_blocks": Counter(
+            "router_selected_predicted_blocks_total",
+            "Predicted cached blocks on the chosen replica, summed over decisions.",
+            tag_keys=("replica",)),
+        "retries": Counter("router_retries_total",
+                           "Requests retried on another replica before the first byte.",
+                           tag_keys=("reason",)),
+        "index_errors": Counter("router_index_errors_total",
+                                "Index (Redis) calls that failed or timed out.",
+                                tag_keys=("op",)),
+        "index_available": Gauge("router_index_available",
+                                 "1 while the last index call succeeded, else 0."),
+        "hash_mismatch": Gauge("router_replica_hash_mismatch",
+                               "1 for a replica whose hash settings differ from the router's "
+                               "(it gets no cache-aware traffic).", tag_keys=("replica",)),
+        "overhead": Histogram("router_routing_overhead_seconds",
+                              "Arrival to dispatch: parse, tokenize, hash, index, score.",
+                              boundaries=OVERHEAD_BOUNDARIES_S, tag_keys=("policy",)),
+        "decision_time": Histogram("router_decision_seconds",
+                                   "choose_replicas: index round trip and policy.",
+                                   boundaries=OVERHEAD_BOUNDARIES_S, tag_keys=("policy",)),
+        "ttft": Histogram("router_ttft_seconds",
+                          "Arrival at the ingress to the first body byte from the replica.",
+                          boundaries=TTFT_BOUNDARIES_S, tag_keys=("route",)),
+    }
+
+
+def get(name: str):
+    """The process's metric called ``name`` (see ``_make``)."""
+    with _lock:
+        if not _metrics:
+            _metrics.update(_make())
+        return _metrics[name]
+
+
+def inc(name: str, value: float = 1.0, tags: dict[str, str] | None = None) -> None:
+    """Add ``value`` to counter ``name`` (Ray's counters refuse 0 and negatives: skipped)."""
+    if value > 0:
+        get(name).inc(value, tags=tags)

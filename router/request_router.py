@@ -1,0 +1,131 @@
+"""The Ray Serve ``RequestRouter`` that routes engine replicas with ``RoutingCore``.
+
+Serve builds one instance per ``DeploymentHandle`` (one per ingress process), runs its
+coroutines on a dedicated event loop, and may call ``choose_replicas`` several times for one
+request (backoff), so the method is idempotent: a reservation is keyed by the request id
+and replaced, never added twice. The chosen replica is ranked alone first, because Serve
+picks the least loaded replica *inside* a rank; the others follow in cost order as
+fallbacks (DESIGN.md decision 6; ``../shared/reference/RAY_SERVE_AND_VLLM.md`` 1.3).
+
+No ``FIFOMixin``: a prefix-aware choice belongs to its own request, not the oldest pending
+one. State lives on ``self`` or in ``router.state`` (this module is pickled by value).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from typing import List, Optional
+
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from router import metrics, state
+from router.config import Settings
+from router.policies import make_policy
+from router.protocol import RoutedRequest
+from router.routing import ReplicaInfo, RoutingCore
+
+logger = logging.getLogger("ray.serve")
+
+
+class PrefixCacheRequestRouter(RequestRouter):
+    """Routes each request to the replica with the lowest expected TTFT (or a baseline
+    policy chosen by name in the settings).
+
+    ``request_router_kwargs``: ``{"settings": Settings.dump()}``.
+    """
+
+    def initialize_state(self, settings: Optional[dict] = None, **kwargs) -> None:
+        self.settings = Settings(**(settings or {}))
+        self.policy = make_policy(self.settings.policy, rng=random.Random())
+        self._core: RoutingCore | None = None
+        self._known: set[str] = set()
+        state.put("replica_count", None)
+
+    def _routing_core(self) -> RoutingCore:
+        # Created on the router's own loop: a Redis client belongs to the loop that made it.
+        if self._core is None:
+            self._core = RoutingCore(
+                self.settings, state.make_index(self.settings),
+                state.make_load_tracker(self.settings), self.policy,
+                on_index_error=lambda exc, op: (
+                    metrics.inc("index_errors", tags={"op": op}),
+                    metrics.get("index_available").set(0)))
+        return self._core
+
+    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
+                              pending_request: Optional[PendingRequest] = None
+                              ) -> List[List[RunningReplica]]:
+        req = _routed_request(pending_request)
+        if req is None or not candidate_replicas:
+            return [candidate_replicas]
+        t0 = time.perf_counter()
+        try:
+            ranked = await self._choose(candidate_replicas, req)
+        except Exception:  # never fail (Serve would retry forever): Serve picks by load
+            logger.exception("routing decision failed for request %s; routing by load",
+                             req.request_id)
+            metrics.inc("decisions", tags={"reason": "fallback", "policy": self.policy.name})
+            return [candidate_replicas]
+        metrics.get("decision_time").observe(time.perf_counter() - t0,
+                                             tags={"policy": self.policy.name})
+        return ranked
+
+    async def _choose(self, candidate_replicas: List[RunningReplica],
+                      req: RoutedRequest) -> List[List[RunningReplica]]:
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        pool = [r for r in candidate_replicas
+                if r.replica_id.unique_id not in req.excluded_replicas] or candidate_replicas
+        infos = [ReplicaInfo(r.replica_id.unique_id, r.replica_metadata or {},
+                             r.routing_stats or {}) for r in pool]
+        core = self._routing_core()
+        decision = await core.decide(req.request_id, req.prompt_tokens, req.block_hashes, infos,
+                                     cacheable=bool(req.block_hashes))
+        if decision.reason != "fallback":
+            metrics.get("index_available").set(1)
+        req.routed_replica = decision.replica
+        req.predicted_cached_tokens = dict(decision.predicted_cached_tokens)
+        req.routing_reason = decision.reason
+        metrics.inc("decisions", tags={"reason": decision.reason, "policy": self.policy.name})
+        metrics.inc("predicted_blocks",
+                    decision.predicted_cached_tokens.get(decision.replica, 0)
+                    // self.settings.block_size, tags={"replica": decision.replica})
+        return [[by_id[rid]] for rid in decision.ranked]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result) -> None:
+        req = _routed_request(pending_request)
+        if req is None or req.routed_replica == replica_id.unique_id or self._core is None:
+            return
+        # Serve sent it elsewhere (the choice was at max_ongoing_requests): follow it.
+        actual = replica_id.unique_id
+        req.routed_replica = actual
+        import asyncio
+        asyncio.get_running_loop().create_task(self._core.moved(
+            req.request_id, actual, req.prompt_tokens, req.block_hashes,
+            req.predicted_cached_tokens.get(actual, 0)))
+
+    def update_replicas(self, replicas: List[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        ids = {r.replica_id.unique_id for r in replicas}
+        state.put("replica_count", len(ids))
+        gone = self._known - ids
+        self._known = ids
+        if gone and self._core is not None:
+            import asyncio
+            loop = asyncio.get_running_loop()
+            for rid in gone:
+                logger.info("replica %s left; purging its index entries", rid)
+                loop.create_task(self._core.remove_replica(rid))
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        super().on_replica_actor_died(replica_id)
+        logger.warning("replica %s died", replica_id.unique_id)
+
+
+def _routed_request(pending_request: Optional[PendingRequest]) -> Optional[RoutedRequest]:
+    if pending_request is None or not pending_request.args:
+        return None
+    arg = pending_request.args[0]
+    return arg if isinstance(arg, RoutedRequest) else None

@@ -1,0 +1,147 @@
+"""One routing decision: index lookup, load, policy, predicted entries and reservation.
+
+``RoutingCore`` is independent of Ray: the Ray ``RequestRouter`` (``router.request_router``)
+calls it with the candidate replicas Serve offers, and the virtual-time simulator
+(``loadtest``) calls it with simulated replicas, so both run the same code.
+
+A decision never fails because of the index: when the lookup raises ``IndexUnavailable``
+(Redis slow or down) the policy sees no matches and decides by load, the fallback is
+counted, and the next lookups try again (DESIGN.md decision 7).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Sequence
+
+from router.config import Settings
+from router.hashing import HashSettings
+from router.index.base import IndexUnavailable, PrefixIndex
+from router.load import LoadTracker
+from router.policies import Candidate, Decision, Policy, RouteRequest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ReplicaInfo:
+    """A candidate replica as the router sees it: id, advertised metadata (hash settings,
+    endpoints) and the last routing stats its replica reported."""
+
+    replica_id: str
+    metadata: dict
+    stats: dict
+
+
+class RoutingCore:
+    """Decides where each request goes.
+
+    Args:
+        settings: router settings (policy knobs, TTLs).
+        index: the prefix index (memory or Redis).
+        load: the load tracker.
+        policy: the routing policy.
+        on_index_error: called with the exception when the index fails (metrics hook).
+    """
+
+    def __init__(self, settings: Settings, index: PrefixIndex, load: LoadTracker,
+                 policy: Policy, on_index_error=None):
+        self.settings = settings
+        self.hash_settings: HashSettings = settings.hash_settings
+        self.index = index
+        self.load = load
+        self.policy = policy
+        self.on_index_error = on_index_error
+        self.index_available = True
+        self._mismatch_logged: set[str] = set()
+
+    def compatible(self, replica: ReplicaInfo) -> bool:
+        """Whether the replica's engine hashes blocks as the router does.
+
+        A replica with no metadata yet is assumed compatible (it reports on readiness); one
+        whose advertised settings differ is refused loudly: logged once, and never given
+        cache-aware traffic (a silent 0 % hit rate otherwise, FAULTS.md 3.2 and 3.3).
+        """
+        md = replica.metadata or {}
+        if "hash_algo" not in md:
+            return True
+        bad = self.hash_settings.mismatches(md)
+        if bad and replica.replica_id not in self._mismatch_logged:
+            self._mismatch_logged.add(replica.replica_id)
+            logger.error(
+                "replica %s hashes blocks differently from this router (%s): router %s, "
+                "replica %s; it is excluded from routing", replica.replica_id, ", ".join(bad),
+                self.hash_settings.as_dict(), {k: md.get(k) for k in bad})
+        return not bad
+
+    async def decide(self, request_id: str, prompt_tokens: int, block_hashes: Sequence[int],
+                     replicas: Sequence[ReplicaInfo], cacheable: bool = True) -> Decision:
+        """Choose a replica among ``replicas`` (non-empty) and reserve its load.
+
+        Returns:
+            The policy's ``Decision``; ``reason`` is ``fallback`` when the index failed.
+        """
+        ok = [r for r in replicas if self.compatible(r)]
+        pool = ok or list(replicas)
+        ids = [r.replica_id for r in pool]
+        matched: dict[str, int] = {}
+        index_failed = False
+        if self.policy.uses_index and block_hashes and cacheable and ok:
+            try:
+                matched = await self.index.lookup(block_hashes, ids)
+                self.index_available = True
+            except IndexUnavailable as exc:
+                index_failed = True
+                self._index_error(exc, "lookup")
+        loads = await self.load.loads(ids)
+        candidates = [
+            Candidate(replica=r.replica_id, matched_blocks=matched.get(r.replica_id, 0),
+                      load=loads[r.replica_id],
+                      prefill_tokens_per_s=float(r.stats.get("prefill_tokens_per_s")
+                                                 or self.settings.prefill_tokens_per_s),
+                      decode_step_s_per_seq=self.settings.decode_step_s,
+                      kv_usage_frac=r.stats.get("kv_usage_frac"))
+            for r in pool]
+        req = RouteRequest(prompt_tokens=prompt_tokens, block_size=self.hash_settings.block_size,
+                           num_blocks=len(block_hashes), cacheable=cacheable)
+        decision = self.policy.choose(req, candidates)
+        if index_failed:
+            decision.reason = "fallback"
+        chosen = decision.replica
+        uncached = max(prompt_tokens - decision.predicted_cached_tokens.get(chosen, 0), 0)
+        await self.load.reserve(request_id, chosen, uncached)
+        if block_hashes and cacheable and ok and not index_failed:
+            await self.record(chosen, block_hashes)
+        return decision
+
+    async def record(self, replica: str, block_hashes: Sequence[int]) -> None:
+        """Write predicted entries for ``replica``; an index failure is counted, not raised."""
+        try:
+            await self.index.record_predicted(replica, block_hashes, self.settings.predicted_ttl_s)
+        except IndexUnavailable as exc:
+            self._index_error(exc, "record")
+
+    async def moved(self, request_id: str, replica: str, prompt_tokens: int,
+                    block_hashes: Sequence[int], predicted_cached_tokens: int) -> None:
+        """Serve sent the request to ``replica``, not the router's choice: move its
+        reservation and predicted entries there."""
+        await self.load.reserve(request_id, replica, max(prompt_tokens - predicted_cached_tokens, 0))
+        if block_hashes:
+            await self.record(replica, block_hashes)
+
+    async def remove_replica(self, replica: str) -> None:
+        """Purge a replica that left the deployment from the index and the load tracker."""
+        try:
+            await self.index.remove_replica(replica)
+        except IndexUnavailable as exc:
+            self._index_error(exc, "remove_replica")
+        await self.load.remove_replica(replica)
+
+    def _index_error(self, exc: Exception, op: str) -> None:
+        if self.index_available:
+            logger.warning("prefix index unavailable (%s): routing by load until it returns",
+                           exc)
+        self.index_available = False
+        if self.on_index_error:
+            self.on_index_error(exc, op)
