@@ -137,6 +137,10 @@ class EngineReplica:
         finally:
             await resp.aclose()
 
+    async def ping(self) -> str:
+        """This replica's id (readiness probe of the ingress)."""
+        return self.replica_id
+
     async def models(self) -> dict[str, Any]:
         """The engine's ``GET /v1/models`` answer."""
         r = await self.client.get("/v1/models", timeout=10.0)
@@ -157,6 +161,7 @@ class EngineReplica:
             self.stats["scrape_error"] = type(exc).__name__
             return
         self.stats = {"prefill_tokens_per_s": self.rate.update(snap),
+                      "prefill_rate_measured": self.rate.measured,
                       "running": snap.running, "waiting": snap.waiting,
                       "kv_usage_frac": snap.kv_usage_frac, "engine_alive": self.engine.alive(),
                       "restarts": self.restarts}

@@ -62,6 +62,7 @@ class PrefillRateEstimator:
     initial_tokens_per_s: float
     alpha: float = 0.5
     rate_tokens_per_s: float = field(init=False)
+    measured: bool = field(default=False, init=False)
     _last: EngineSnapshot | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
@@ -75,6 +76,9 @@ class PrefillRateEstimator:
             d_time = snap.prefill_time_sum_s - last.prefill_time_sum_s
             if d_tokens > 0 and d_time > 0:
                 measured = d_tokens / d_time
-                self.rate_tokens_per_s = (self.alpha * measured
-                                          + (1 - self.alpha) * self.rate_tokens_per_s)
+                if not self.measured:
+                    self.rate_tokens_per_s, self.measured = measured, True
+                else:
+                    self.rate_tokens_per_s = (self.alpha * measured
+                                              + (1 - self.alpha) * self.rate_tokens_per_s)
         return self.rate_tokens_per_s

@@ -6,6 +6,7 @@ YAML's ``args`` are ``Settings`` fields and override the environment and the con
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from typing import Any
@@ -54,6 +55,15 @@ class Ingress:
         self.settings = Settings(**settings)
         self.core = IngressCore(self.settings, engine_handle)
         self.engine_handle = engine_handle
+        # The handle creates its router on first use; one call makes it learn the replica
+        # set now, so /health and the 503 check know the replica count before traffic.
+        self._warmup = asyncio.get_event_loop().create_task(self._warm_up())
+
+    async def _warm_up(self) -> None:
+        try:
+            await self.engine_handle.ping.remote()
+        except Exception as exc:  # replicas not up yet: update_replicas will tell us
+            logger.info("engine warm-up call failed: %s", exc)
 
     async def _infer(self, path: str, request: Request) -> Response:
         t0 = time.perf_counter()
@@ -61,7 +71,9 @@ class Ingress:
         from router import metrics
         try:
             raw = await _read_body(request, self.settings.max_body_bytes)
-            resp = await self.core.handle(path, raw, t0)
+            policy = request.headers.get("x-routing-policy") \
+                if self.settings.allow_policy_override else None
+            resp = await self.core.handle(path, raw, t0, policy=policy)
         except OpenAIError as exc:
             metrics.inc("requests", 1, tags={"route": route, "status": str(exc.status)})
             return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
@@ -99,36 +111,9 @@ class Ingress:
 
     @fastapi_app.get("/metrics")
     async def metrics_text(self) -> Response:
-        return PlainTextResponse(await scrape_ray_metrics(),
+        from router.metrics import scrape_cluster_metrics
+        return PlainTextResponse(await scrape_cluster_metrics(),
                                  media_type="text/plain; version=0.0.4")
-
-
-async def scrape_ray_metrics(prefixes: tuple[str, ...] = ("ray_router_",)) -> str:
-    """The router's metrics as aggregated by Ray's exporter on every node of the cluster.
-
-    Ray's per-node agent merges the records of every process on the node; this concatenates
-    the nodes' exports, keeping only the router's series (and their HELP/TYPE lines).
-    """
-    import ray
-
-    texts = []
-    async with httpx.AsyncClient(timeout=5.0) as client:
-        for node in ray.nodes():
-            if not node.get("Alive"):
-                continue
-            url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
-            try:
-                texts.append((await client.get(url)).text)
-            except httpx.HTTPError as exc:
-                logger.warning("metrics of node %s unavailable: %s", url, exc)
-    lines = []
-    for text in texts:
-        for line in text.splitlines():
-            name = line.split(" ", 3)[2] if line.startswith("# ") and len(line.split(" ")) > 2 \
-                else line
-            if any(name.startswith(p) for p in prefixes):
-                lines.append(line)
-    return "\n".join(lines) + "\n"
 
 
 def engine_deployment(settings: Settings):

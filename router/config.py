@@ -85,6 +85,9 @@ class Settings(BaseSettings):
     # --- routing ------------------------------------------------------------------------
     policy: Literal["prefix_aware", "round_robin", "random", "least_loaded"] = Field(
         "prefix_aware", description="Routing policy by name.")
+    allow_policy_override: bool = Field(
+        False, description="Honour an 'x-routing-policy' request header naming a policy "
+                           "(benchmarks and tests compare policies on the same replicas).")
     redis_url: Optional[str] = Field(
         None, description="Redis URL for the shared index and load; none = in-process index.")
     redis_timeout_s: float = Field(

@@ -33,6 +33,7 @@ from router import metrics, state
 from router.config import Settings
 from router.errors import OpenAIError, bad_request, no_replicas
 from router.hashing import BlockHasher
+from router.policies import POLICIES
 from router.prompts import CHAT_PATH, COMPLETIONS_PATH, PromptRenderer
 from router.protocol import ReplicaHead, RoutedRequest
 
@@ -154,6 +155,12 @@ class IngressCore:
         self.hasher = BlockHasher(settings.hash_settings)
         self.load = state.make_load_tracker(settings)
         self.policy_name = settings.policy
+        self.inflight: dict[str, int] = {}  # this process's own dispatches, per replica
+
+    def _count_inflight(self, replica: str, delta: int) -> None:
+        n = self.inflight.get(replica, 0) + delta
+        self.inflight[replica] = n
+        metrics.get("inflight").set(n, tags={"replica": replica})
 
     # --- helpers -----------------------------------------------------------------------
     def _replica_count(self) -> int | None:
@@ -207,7 +214,8 @@ class IngressCore:
             raise
 
     # --- the request path --------------------------------------------------------------
-    async def handle(self, path: str, raw: bytes, t_arrival: float) -> Response:
+    async def handle(self, path: str, raw: bytes, t_arrival: float,
+                     policy: str | None = None) -> Response:
         """Serve one inference request; returns the response to send.
 
         Raises:
@@ -216,6 +224,11 @@ class IngressCore:
         if self._replica_count() == 0:
             raise no_replicas()
         req = await self.prepare(path, raw)
+        if policy:
+            if policy not in POLICIES:
+                raise bad_request(f"unknown routing policy {policy!r}; choose from "
+                                  f"{sorted(POLICIES)}", "x-routing-policy")
+            req.policy = policy
         route = path.rsplit("/", 1)[-1]
         for attempt in (1, 2):
             dispatch = _Dispatch(self, req, route, t_arrival)
@@ -297,6 +310,7 @@ class _Dispatch:
                 or self.req.routed_replica or ""
             if self.replica:
                 metrics.inc("dispatched", tags={"replica": self.replica})
+                self.core._count_inflight(self.replica, +1)
         return self.head
 
     async def body(self) -> AsyncIterator[bytes]:
@@ -331,6 +345,7 @@ class _Dispatch:
         await self.core.load.release(self.req.request_id)
         if self.replica:
             metrics.inc("completed", tags={"replica": self.replica})
+            self.core._count_inflight(self.replica, -1)
         usage = self.scanner.finish() if self.head and self.head.status == 200 else None
         if usage:
             details = usage.get("prompt_tokens_details") or {}

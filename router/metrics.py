@@ -94,3 +94,64 @@ def inc(name: str, value: float = 1.0, tags: dict[str, str] | None = None) -> No
     """Add ``value`` to counter ``name`` (Ray's counters refuse 0 and negatives: skipped)."""
     if value > 0:
         get(name).inc(value, tags=tags)
+
+
+# Labels Ray's exporter adds per process; dropping them sums a series over processes.
+_PROCESS_LABELS = {"WorkerId", "Component", "SessionName", "Version", "NodeAddress", "JobId",
+                   "otel_scope_name", "otel_scope_schema_url", "otel_scope_version"}
+
+
+def aggregate_ray_export(texts: list[str], prefix: str = "ray_router_") -> str:
+    """Sum the router's series over processes and nodes, in Prometheus text format.
+
+    Args:
+        texts: Prometheus exports of Ray's per-node metrics agents.
+        prefix: keep only families whose name starts with it; the ``ray_`` of Ray's export
+            is removed from the names (``router_decision_total``...).
+    Returns:
+        One sample per (name, labels without process labels): counters, histogram buckets
+        and gauges (in-flight counts) summed across every router and replica process.
+    """
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sums: dict[tuple, float] = {}
+    kinds: dict[str, tuple[str, str]] = {}
+    for text in texts:
+        for fam in text_string_to_metric_families(text):
+            if not fam.name.startswith(prefix):
+                continue
+            name = fam.name[len("ray_"):]
+            kinds.setdefault(name, (fam.type, fam.documentation))
+            for s in fam.samples:
+                labels = tuple(sorted((k, v) for k, v in s.labels.items()
+                                      if k not in _PROCESS_LABELS))
+                key = (name, s.name[len("ray_"):], labels)
+                sums[key] = sums.get(key, 0.0) + s.value
+    out: list[str] = []
+    for fam_name, (kind, doc) in sorted(kinds.items()):
+        out.append(f"# HELP {fam_name} {doc}")
+        out.append(f"# TYPE {fam_name} {kind}")
+        for (fname, sname, labels), value in sorted(sums.items()):
+            if fname != fam_name:
+                continue
+            lab = ",".join(f'{k}="{v}"' for k, v in labels)
+            out.append(f"{sname}{{{lab}}} {value!r}" if lab else f"{sname} {value!r}")
+    return "\n".join(out) + "\n"
+
+
+async def scrape_cluster_metrics() -> str:
+    """The router's metrics from Ray's exporter on every live node, summed over processes."""
+    import httpx
+    import ray
+
+    texts = []
+    async with httpx.AsyncClient(timeout=5.0) as client:
+        for node in ray.nodes():
+            if not node.get("Alive") or not node.get("MetricsExportPort"):
+                continue
+            url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
+            try:
+                texts.append((await client.get(url)).text)
+            except httpx.HTTPError:
+                continue
+    return aggregate_ray_export(texts)

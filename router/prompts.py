@@ -101,6 +101,16 @@ def _parse_tool_calls(calls: Any) -> list[dict] | None:
     return out
 
 
+def _vllm_chat_request_model():
+    """vLLM's own ``ChatCompletionRequest`` when vLLM is installed (it is wherever engines
+    run); rendering then sees the request exactly as the engine's server does."""
+    try:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    except Exception:  # no vLLM here: plain dicts (same result for ordinary requests)
+        return None
+    return ChatCompletionRequest
+
+
 class PromptRenderer:
     """Renders and tokenizes requests with the served model's tokenizer.
 
@@ -117,6 +127,7 @@ class PromptRenderer:
 
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.lora_names = lora_names
+        self._vllm_request = _vllm_chat_request_model()
         self._lock = threading.Lock()  # HF fast tokenizers are not re-entrant across threads
         if not getattr(self.tokenizer, "chat_template", None):
             logger.warning("tokenizer at %s has no chat template; chat requests will be "
@@ -137,7 +148,14 @@ class PromptRenderer:
         return info
 
     def _render_chat(self, body: dict[str, Any]) -> PromptInfo:
+        tools = body.get("tools") or None
         messages = body.get("messages")
+        if self._vllm_request is not None:
+            # Validate as the engine does: its pydantic models fix the key order of
+            # tool calls and fill tools' defaults, and both reach the template.
+            req = self._vllm_request.model_validate(body)
+            messages = req.messages
+            tools = [t.model_dump() for t in req.tools] if req.tools else None
         if not isinstance(messages, list) or not messages:
             return PromptInfo(cacheable=False, reason="no messages")
         conversation = []
@@ -164,7 +182,6 @@ class PromptRenderer:
         kwargs.setdefault("continue_final_message", body.get("continue_final_message", False))
         if kwargs["continue_final_message"]:
             kwargs["add_generation_prompt"] = False
-        tools = body.get("tools")
         with self._lock:
             ids = self.tokenizer.apply_chat_template(
                 conversation, tools=tools if tools else None, tokenize=True, return_dict=False,

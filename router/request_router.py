@@ -39,6 +39,7 @@ class PrefixCacheRequestRouter(RequestRouter):
     def initialize_state(self, settings: Optional[dict] = None, **kwargs) -> None:
         self.settings = Settings(**(settings or {}))
         self.policy = make_policy(self.settings.policy, rng=random.Random())
+        self._policies = {self.policy.name: self.policy}
         self._core: RoutingCore | None = None
         self._known: set[str] = set()
         state.put("replica_count", None)
@@ -80,18 +81,27 @@ class PrefixCacheRequestRouter(RequestRouter):
         infos = [ReplicaInfo(r.replica_id.unique_id, r.replica_metadata or {},
                              r.routing_stats or {}) for r in pool]
         core = self._routing_core()
+        policy = self._policy_for(req)
         decision = await core.decide(req.request_id, req.prompt_tokens, req.block_hashes, infos,
-                                     cacheable=bool(req.block_hashes))
+                                     cacheable=bool(req.block_hashes), policy=policy)
         if decision.reason != "fallback":
             metrics.get("index_available").set(1)
         req.routed_replica = decision.replica
         req.predicted_cached_tokens = dict(decision.predicted_cached_tokens)
         req.routing_reason = decision.reason
-        metrics.inc("decisions", tags={"reason": decision.reason, "policy": self.policy.name})
+        metrics.inc("decisions", tags={"reason": decision.reason, "policy": policy.name})
         metrics.inc("predicted_blocks",
                     decision.predicted_cached_tokens.get(decision.replica, 0)
                     // self.settings.block_size, tags={"replica": decision.replica})
         return [[by_id[rid]] for rid in decision.ranked]
+
+    def _policy_for(self, req: RoutedRequest):
+        name = req.policy if self.settings.allow_policy_override and req.policy else None
+        if name is None:
+            return self.policy
+        if name not in self._policies:
+            self._policies[name] = make_policy(name, rng=random.Random())
+        return self._policies[name]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result) -> None:

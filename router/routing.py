@@ -76,18 +76,22 @@ class RoutingCore:
         return not bad
 
     async def decide(self, request_id: str, prompt_tokens: int, block_hashes: Sequence[int],
-                     replicas: Sequence[ReplicaInfo], cacheable: bool = True) -> Decision:
+                     replicas: Sequence[ReplicaInfo], cacheable: bool = True,
+                     policy: Policy | None = None) -> Decision:
         """Choose a replica among ``replicas`` (non-empty) and reserve its load.
 
+        Args:
+            policy: overrides the core's policy for this decision.
         Returns:
             The policy's ``Decision``; ``reason`` is ``fallback`` when the index failed.
         """
+        policy = policy or self.policy
         ok = [r for r in replicas if self.compatible(r)]
         pool = ok or list(replicas)
         ids = [r.replica_id for r in pool]
         matched: dict[str, int] = {}
         index_failed = False
-        if self.policy.uses_index and block_hashes and cacheable and ok:
+        if policy.uses_index and block_hashes and cacheable and ok:
             try:
                 matched = await self.index.lookup(block_hashes, ids)
                 self.index_available = True
@@ -95,17 +99,16 @@ class RoutingCore:
                 index_failed = True
                 self._index_error(exc, "lookup")
         loads = await self.load.loads(ids)
+        rate = self.fleet_prefill_rate(pool)
         candidates = [
             Candidate(replica=r.replica_id, matched_blocks=matched.get(r.replica_id, 0),
-                      load=loads[r.replica_id],
-                      prefill_tokens_per_s=float(r.stats.get("prefill_tokens_per_s")
-                                                 or self.settings.prefill_tokens_per_s),
+                      load=loads[r.replica_id], prefill_tokens_per_s=rate,
                       decode_step_s_per_seq=self.settings.decode_step_s,
                       kv_usage_frac=r.stats.get("kv_usage_frac"))
             for r in pool]
         req = RouteRequest(prompt_tokens=prompt_tokens, block_size=self.hash_settings.block_size,
                            num_blocks=len(block_hashes), cacheable=cacheable)
-        decision = self.policy.choose(req, candidates)
+        decision = policy.choose(req, candidates)
         if index_failed:
             decision.reason = "fallback"
         chosen = decision.replica
@@ -114,6 +117,22 @@ class RoutingCore:
         if block_hashes and cacheable and ok and not index_failed:
             await self.record(chosen, block_hashes)
         return decision
+
+    def fleet_prefill_rate(self, replicas: Sequence[ReplicaInfo]) -> float:
+        """Prefill rate (tokens/s) used for every candidate: the median of the replicas'
+        measured rates, or ``Settings.prefill_tokens_per_s`` before any measurement.
+
+        One rate for the fleet (replicas of one deployment run one model on one kind of
+        hardware): a per-replica rate would be unmeasured on a replica that has had no
+        traffic yet, and noise between equal engines would decide cold starts instead of
+        load (a replica measured once as faster would take every cold start).
+        """
+        rates = sorted(float(r.stats["prefill_tokens_per_s"]) for r in replicas
+                       if r.stats.get("prefill_rate_measured")
+                       and r.stats.get("prefill_tokens_per_s"))
+        if not rates:
+            return self.settings.prefill_tokens_per_s
+        return rates[len(rates) // 2]
 
     async def record(self, replica: str, block_hashes: Sequence[int]) -> None:
         """Write predicted entries for ``replica``; an index failure is counted, not raised."""

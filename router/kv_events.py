@@ -1,0 +1,206 @@
+"""vLLM's KV-cache events: decoding the ZMQ wire format, and a subscriber with gap detection
+and replay.
+
+Wire format (vLLM 0.26 / 0.32 ``vllm/distributed/kv_events.py``; reference section 4.3):
+each batch is a 3-frame PUB message ``[topic, seq (8 bytes, big-endian), payload]``; the
+payload is msgpack of ``[ts, [events...], dp_rank]`` (a 2-element array is accepted too);
+each event is a map tagged by ``"type"`` (``BlockStored``, ``BlockRemoved``,
+``AllBlocksCleared``) with default-valued fields omitted. Hashes are ints (the low 64 bits,
+``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=1``) or raw digest bytes; both map to the same key.
+
+Replay (section 4.6): a DEALER sends ``[b"", start_seq (8 bytes)]`` to the engine's ROUTER
+replay socket; the engine answers one ``[b"", topic, seq, payload]`` per buffered batch with
+``seq >= start`` and ends with ``[b"", b"", -1 (8 bytes, signed), b""]``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from router.hashing import to_block_hash
+from router.index.base import KVEvent
+
+logger = logging.getLogger(__name__)
+
+_decoder = msgspec.msgpack.Decoder()
+_END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+
+
+def decode_event(raw: dict) -> KVEvent | None:
+    """One event map → ``KVEvent``; None for event types the index does not use."""
+    kind = raw.get("type")
+    if kind == "BlockStored":
+        parent = raw.get("parent_block_hash")
+        return KVEvent("stored", [to_block_hash(h) for h in raw.get("block_hashes") or []],
+                       to_block_hash(parent) if parent is not None else None,
+                       raw.get("medium", "GPU"))
+    if kind == "BlockRemoved":
+        return KVEvent("removed", [to_block_hash(h) for h in raw.get("block_hashes") or []],
+                       None, raw.get("medium", "GPU"))
+    if kind == "AllBlocksCleared":
+        return KVEvent("cleared")
+    return None
+
+
+def decode_batch(payload: bytes) -> tuple[float, list[KVEvent]]:
+    """A batch payload → (engine step time ``ts`` in s since the epoch, events in order).
+
+    Raises:
+        ValueError: the payload is not a KV-event batch.
+    """
+    try:
+        batch = _decoder.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"not a msgpack KV-event batch: {exc}") from exc
+    if not isinstance(batch, (list, tuple)) or len(batch) < 2:
+        raise ValueError("KV-event batch must be an array [ts, events, dp_rank]")
+    events = [e for e in (decode_event(r) for r in batch[1] if isinstance(r, dict)) if e]
+    return float(batch[0]), events
+
+
+@dataclass
+class EventBatch:
+    """One received batch: ``topic`` (the replica), sequence number, engine step time and
+    events. ``replayed`` marks batches fetched from the replay endpoint."""
+
+    topic: str
+    seq: int
+    ts: float
+    events: list[KVEvent]
+    replayed: bool = False
+
+
+async def replay(ctx: zmq.asyncio.Context, endpoint: str, start_seq: int,
+                 timeout_s: float = 2.0) -> list[tuple[str, int, bytes]]:
+    """Fetch buffered batches with ``seq >= start_seq`` from an engine's replay endpoint.
+
+    Returns:
+        ``[(topic, seq, payload), ...]`` in order; empty if the engine has none.
+    Raises:
+        TimeoutError: no end marker within ``timeout_s`` between messages.
+    """
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    out = []
+    try:
+        await sock.send_multipart([b"", start_seq.to_bytes(8, "big")])
+        while True:
+            if not await sock.poll(int(timeout_s * 1000)):
+                raise TimeoutError(f"replay from {endpoint} timed out")
+            frames = await sock.recv_multipart()
+            if len(frames) < 4:
+                continue
+            _, topic, seq_b, payload = frames[:4]
+            if seq_b == _END_OF_REPLAY:
+                return out
+            out.append((topic.decode(errors="replace"), int.from_bytes(seq_b, "big"), payload))
+    finally:
+        sock.close()
+
+
+class KVEventSubscriber:
+    """Subscribes to one engine's KV-event publisher and yields its batches in order.
+
+    It tracks the sequence number: a gap (lost batches) triggers a replay of the missing
+    range from the replay endpoint when there is one; if the replay cannot fill it, the
+    caller is told to clear the replica (``on_gap`` returns ``"clear"``). A sequence that
+    goes back (the engine restarted and counts from 0 again) is reported as a restart.
+    A new subscription misses what was published before it took effect, so the subscriber
+    replays from 0 right after connecting.
+
+    Args:
+        endpoint: the engine's publisher, e.g. ``tcp://10.0.0.5:5600``.
+        replay_endpoint: its replay ROUTER socket, or None.
+        topic: topic prefix to subscribe to (``""`` for all).
+    """
+
+    def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = ""):
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic
+        self.last_seq: int | None = None
+        self.gaps = 0
+        self.restarts = 0
+        self.unfilled_gaps = 0
+        self.last_batch_at: float | None = None
+        self._ctx = zmq.asyncio.Context.instance()
+
+    async def batches(self) -> AsyncIterator[EventBatch | str]:
+        """Batches in sequence order, interleaved with the markers ``"restart"`` (the engine
+        restarted: clear the replica, then apply what follows) and ``"clear"`` (a gap that
+        replay could not fill: the replica's entries are incomplete)."""
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 0)
+        sub.connect(self.endpoint)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
+        try:
+            await asyncio.sleep(0.05)  # let the subscription reach the publisher
+            for item in await self._replay_from(0):
+                yield item
+            while True:
+                topic_b, seq_b, payload = (await sub.recv_multipart())[:3]
+                seq = int.from_bytes(seq_b, "big")
+                async for item in self._accept(topic_b.decode(errors="replace"), seq, payload):
+                    yield item
+        finally:
+            sub.close()
+
+    async def _accept(self, topic: str, seq: int, payload: bytes):
+        last = self.last_seq
+        if last is not None and seq <= last:
+            if seq < last and seq == 0 or seq < last - 1:
+                self.restarts += 1
+                logger.warning("KV events of %s restarted at seq %d (was %d): engine restart",
+                               self.endpoint, seq, last)
+                self.last_seq = None
+                yield "restart"
+            else:
+                return  # a duplicate of a replayed batch
+        elif last is not None and seq > last + 1:
+            self.gaps += 1
+            logger.warning("KV events of %s: gap %d..%d", self.endpoint, last + 1, seq - 1)
+            filled = [b for b in await self._replay_from(last + 1) if isinstance(b, EventBatch)
+                      and b.seq < seq]
+            if not filled or filled[0].seq != last + 1 or filled[-1].seq != seq - 1:
+                self.unfilled_gaps += 1
+                self.last_seq = None
+                yield "clear"
+            else:
+                for b in filled:
+                    yield b
+        try:
+            ts, events = decode_batch(payload)
+        except ValueError as exc:
+            logger.warning("undecodable KV-event batch from %s: %s", self.endpoint, exc)
+            self.last_seq = seq
+            return
+        self.last_seq = seq
+        self.last_batch_at = asyncio.get_running_loop().time()
+        yield EventBatch(topic, seq, ts, events)
+
+    async def _replay_from(self, start: int) -> list[EventBatch]:
+        if not self.replay_endpoint:
+            return []
+        try:
+            raw = await replay(self._ctx, self.replay_endpoint, start)
+        except (TimeoutError, zmq.ZMQError) as exc:
+            logger.warning("replay from %s failed: %s", self.replay_endpoint, exc)
+            return []
+        out = []
+        for topic, seq, payload in raw:
+            try:
+                ts, events = decode_batch(payload)
+            except ValueError:
+                continue
+            out.append(EventBatch(topic, seq, ts, events, replayed=True))
+            self.last_seq = seq
+        return out

