@@ -24,7 +24,7 @@ from typing import Any, AsyncIterator
 import httpx
 from ray import serve
 
-from replicas.engine import EnginePorts, EngineProcess, EngineStartError, free_port
+from replicas.engine import EnginePorts, EngineProcess, EngineStartError
 from replicas.engine_metrics import PrefillRateEstimator, parse_engine_metrics
 from router.config import Settings
 from router.protocol import ReplicaHead, RoutedRequest
@@ -63,15 +63,8 @@ class EngineReplica:
         except Exception:  # constructed outside Serve (tests)
             self.replica_id = f"local-{os.getpid()}"
         self.device = _detect_device(self.settings.device)
-        base = self.settings.kv_events_port_base
-        rank = 0
-        try:
-            rank = serve.get_replica_context().rank.local_rank
-        except Exception:
-            pass
-        kv_port = free_port() if base == 0 else _first_free(base + 2 * rank)
-        self.ports = EnginePorts(http=free_port(), kv_events=kv_port,
-                                 kv_replay=_first_free(kv_port + 1))
+        self.ports = EnginePorts.allocate(f"{self.replica_id}-{os.getpid()}",
+                                          self.settings.kv_events_dir)
         self.engine = EngineProcess(self.settings, self.ports, topic=self.replica_id,
                                     device=self.device)
         self.restarts = 0
@@ -92,9 +85,10 @@ class EngineReplica:
         return {
             "replica_id": self.replica_id,
             "engine": self.settings.engine,
-            "engine_url": f"http://{ip}:{self.ports.http}",
-            "kv_events_endpoint": f"tcp://{ip}:{self.ports.kv_events}",
-            "kv_replay_endpoint": f"tcp://{ip}:{self.ports.kv_replay}",
+            "node_ip": ip,
+            "engine_url": f"http://127.0.0.1:{self.ports.http}",
+            "kv_events_endpoint": self.ports.kv_events,
+            "kv_replay_endpoint": self.ports.kv_replay,
             "kv_events_topic": self.replica_id,
             "model": self.settings.served_model_name,
             "device": self.device,
@@ -192,17 +186,3 @@ class EngineReplica:
             self._monitor.cancel()
         if getattr(self, "engine", None):
             await self.engine.stop()
-
-
-def _first_free(port: int, host: str = "0.0.0.0") -> int:
-    """``port`` if it can be bound, else the next free one above it."""
-    import socket
-    for p in range(port, port + 200):
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, p))
-                return p
-            except OSError:
-                continue
-    return free_port()

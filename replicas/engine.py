@@ -63,11 +63,27 @@ def _has_weights(model_dir: str) -> bool:
 
 @dataclass
 class EnginePorts:
-    """The engine's HTTP port and its KV-event publisher and replay ports (TCP, bound)."""
+    """Where the engine listens: its HTTP port (loopback) and its KV-event publisher and
+    replay endpoints (ZMQ, bound by the engine).
+
+    The KV-event endpoints are ``ipc://`` sockets by default: vLLM binds an ``ipc://``
+    endpoint (it binds only ``*``, ``::``, ``ipc://`` or ``inproc://`` ones and connects
+    otherwise, reference section 4.2), each engine gets its own path so two never clash,
+    and nothing is exposed beyond the host.
+    """
 
     http: int
-    kv_events: int
-    kv_replay: int
+    kv_events: str
+    kv_replay: str
+
+    @classmethod
+    def allocate(cls, name: str, directory: str | None = None) -> "EnginePorts":
+        """A free HTTP port and per-engine IPC endpoints under ``directory``."""
+        d = Path(directory or tempfile.gettempdir())
+        d.mkdir(parents=True, exist_ok=True)
+        safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
+        return cls(http=free_port(), kv_events=f"ipc://{d}/prefix-router-{safe}-kv.sock",
+                   kv_replay=f"ipc://{d}/prefix-router-{safe}-replay.sock")
 
 
 class EngineProcess:
@@ -99,8 +115,8 @@ class EngineProcess:
     def kv_events_config(self) -> dict:
         """vLLM's ``--kv-events-config``: bound publisher and replay sockets on our ports."""
         return {"enable_kv_cache_events": True, "publisher": "zmq",
-                "endpoint": f"tcp://*:{self.ports.kv_events}",
-                "replay_endpoint": f"tcp://*:{self.ports.kv_replay}",
+                "endpoint": self.ports.kv_events,
+                "replay_endpoint": self.ports.kv_replay,
                 "topic": self.topic}
 
     def command(self) -> list[str]:
@@ -109,7 +125,9 @@ class EngineProcess:
             return [sys.executable, "-m", "replicas.sim_server", "--port", str(self.ports.http),
                     "--model", s.model, "--served-model-name", s.served_model_name or "",
                     "--block-size", str(s.block_size),
-                    "--kv-events-config", json.dumps(self.kv_events_config())]
+                    "--hash-algo", s.hash_algo,
+                    "--kv-events-config", json.dumps(self.kv_events_config()),
+                    *s.extra_engine_args]
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--model", s.model, "--served-model-name", s.served_model_name or s.model,
                "--host", "127.0.0.1", "--port", str(self.ports.http),

@@ -93,11 +93,11 @@ class EventPublisher:
         if endpoint:
             self.pub = self.ctx.socket(zmq.PUB)
             self.pub.setsockopt(zmq.LINGER, 0)
-            self.pub.bind(endpoint.replace("tcp://*", "tcp://0.0.0.0"))
+            self.pub.bind(endpoint)
         if replay_endpoint:
             self.replay = self.ctx.socket(zmq.ROUTER)
             self.replay.setsockopt(zmq.LINGER, 0)
-            self.replay.bind(replay_endpoint.replace("tcp://*", "tcp://0.0.0.0"))
+            self.replay.bind(replay_endpoint)
 
     @staticmethod
     def to_wire(ev: KVEvent, block_size: int) -> dict:

@@ -109,6 +109,16 @@ class Ingress:
         return JSONResponse({"status": "ok" if ok else "no replicas", "replicas": n},
                             status_code=200 if ok else 503)
 
+    @fastapi_app.get("/replicas")
+    async def replicas(self) -> Response:
+        """The engine replicas the router sees, with what each advertises (endpoints, hash
+        settings) and its hash compatibility with this router."""
+        known = state.peek("replicas") or {}
+        hs = self.settings.hash_settings
+        return JSONResponse({"replicas": [
+            {"replica_id": rid, "metadata": md, "hash_mismatch": hs.mismatches(md)
+             if "hash_algo" in md else []} for rid, md in sorted(known.items())]})
+
     @fastapi_app.get("/metrics")
     async def metrics_text(self) -> Response:
         from router.metrics import scrape_cluster_metrics
@@ -123,8 +133,13 @@ def engine_deployment(settings: Settings):
     resources: dict[str, Any] = {"num_cpus": settings.replica_num_cpus}
     if settings.replica_num_gpus:
         resources["num_gpus"] = settings.replica_num_gpus
+    if settings.num_replicas > 0:
+        scale: dict[str, Any] = {"num_replicas": settings.num_replicas}
+    else:  # Serve refuses num_replicas=0; an autoscaler pinned at zero is the same thing
+        scale = {"autoscaling_config": {"min_replicas": 0, "initial_replicas": 0,
+                                        "max_replicas": 1, "upscale_delay_s": 3600}}
     return serve.deployment(EngineReplica, name="EngineReplica").options(
-        num_replicas=settings.num_replicas,
+        **scale,
         ray_actor_options=resources,
         max_ongoing_requests=settings.max_ongoing_requests,
         health_check_period_s=5,

@@ -78,9 +78,9 @@ class Settings(BaseSettings):
     max_ongoing_requests: int = Field(
         1024, ge=1, description="Per replica, in Ray Serve. Serve's default of 5 would divert "
                                 "traffic from the replica the router chose.")
-    kv_events_port_base: int = Field(
-        5600, description="First TCP port of the engines' KV-event publishers (one per replica; "
-                          "the replay endpoint uses port + 1). 0 = OS-chosen ports.")
+    kv_events_dir: Optional[str] = Field(
+        None, description="Directory of the engines' KV-event IPC sockets (one publisher and "
+                          "one replay socket per engine); default: the system temp dir.")
 
     # --- routing ------------------------------------------------------------------------
     policy: Literal["prefix_aware", "round_robin", "random", "least_loaded"] = Field(

@@ -120,6 +120,8 @@ class PrefixCacheRequestRouter(RequestRouter):
         super().update_replicas(replicas)
         ids = {r.replica_id.unique_id for r in replicas}
         state.put("replica_count", len(ids))
+        state.put("replicas", {r.replica_id.unique_id: dict(r.replica_metadata or {})
+                               for r in replicas})
         gone = self._known - ids
         self._known = ids
         if gone and self._core is not None:

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import zmq
 
-from replicas.engine import EnginePorts, EngineProcess, free_port
+from replicas.engine import EnginePorts, EngineProcess
 from router.config import Settings
 from router.hashing import BlockHasher, HashSettings
 from router.kv_events import decode_batch
@@ -57,11 +57,11 @@ class EventLog:
 @pytest.fixture(scope="module")
 def engine(model_dir):
     settings = Settings(model=str(model_dir), max_model_len=8192)
-    ports = EnginePorts(http=free_port(), kv_events=free_port(), kv_replay=free_port())
+    ports = EnginePorts.allocate("parity-test")
     proc = EngineProcess(settings, ports, topic="parity", device="cpu")
     loop = asyncio.new_event_loop()  # the process's watcher lives on this loop
     loop.run_until_complete(proc.start())
-    log = EventLog(f"tcp://127.0.0.1:{ports.kv_events}")
+    log = EventLog(ports.kv_events)
     time.sleep(0.5)
     client = httpx.Client(base_url=proc.url, timeout=120)
     yield proc, client, log
