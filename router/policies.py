@@ -143,48 +143,66 @@ class LeastLoaded(Policy):
 
 
 class PrefixAware(Policy):
-    """Lowest expected time to first token (DESIGN.md decision 4).
+    """Lowest expected time to first token, charged for the work the request adds
+    (DESIGN.md decision 4).
 
     For each candidate ``r`` with ``cached_r`` tokens of the prompt in its cache::
 
-        work_r  = queued_prefill_tokens_r + prompt_tokens - cached_r          (tokens)
-        ttft_r  = work_r / prefill_rate_r                                      (s)
-                + ceil(work_r / step_token_budget) * decode_step_s_per_seq_r * running_r
-                + penalty_r
+        uncached_r = prompt_tokens - cached_r                                   (tokens)
+        ttft_r     = (queued_prefill_tokens_r + uncached_r) / prefill_rate
+                   + ceil(work_r / step_token_budget) * decode_step_s_per_seq * running_r
+        cost_r     = ttft_r + work_weight * uncached_r / prefill_rate + penalty_r
 
-    The first term is the prefill work ahead of the request and its own uncached tokens at
-    the engine's measured prefill rate; the second is what the replica's running decodes
-    add to each engine step the prefill needs (step model ``t = a + b·prefill + c·decode``,
-    ``../shared/gpu/README.md``). Candidates within ``tie_rel`` (relative) or
-    ``tie_abs_s`` of the best cost are near-ties: among them the replica with the fewest
-    recent assignments wins (it spreads cold starts when nothing is in flight, FAULTS.md
-    1.4), then a random one.
+    ``ttft_r`` is the prefill work ahead of the request plus its own uncached tokens at the
+    fleet's measured prefill rate, plus what the replica's running decodes add to each step
+    the prefill needs (step model ``t = a + b·prefill + c·decode``, ``../shared/gpu/README.md``).
+    The ``work_weight`` term charges the delay the request's own prefill imposes on every
+    request queued behind it on that replica; without it a burst of siblings sharing a new
+    prefix would be spread to idle replicas, each recomputing the prefix, because the first
+    sibling's prefill is still queued where the prefix is being built.
 
-    A miss is thus decided by load (FAULTS.md 1.1), and a warm replica keeps its traffic
-    until the queue it builds costs more than the prefill it saves, for that request alone
-    (FAULTS.md 1.6): no fleet-wide imbalance switch.
+    Candidates within ``tie_rel`` (relative) or ``tie_abs_s`` of the best cost are near-ties:
+    among them the replica with the most cached tokens, then the fewest recent assignments
+    (spreads cold starts when nothing is in flight, FAULTS.md 1.4), then chance.
+
+    A miss is thus decided by load (FAULTS.md 1.1); a warm replica keeps its traffic until its
+    queue costs more than the prefill it saves, judged per request (FAULTS.md 1.6): there is
+    no fleet-wide imbalance switch.
     """
 
     name = "prefix_aware"
     uses_index = True
 
     def __init__(self, rng: random.Random | None = None, tie_abs_s: float = 0.002,
-                 tie_rel: float = 0.05, step_token_budget: int = 2048):
+                 tie_rel: float = 0.05, step_token_budget: int = 2048,
+                 work_weight: float = 1.0):
         super().__init__(rng)
         self.tie_abs_s = tie_abs_s
         self.tie_rel = tie_rel
         self.step_token_budget = step_token_budget
+        self.work_weight = work_weight
 
     def expected_ttft_s(self, request: RouteRequest, c: Candidate) -> float:
-        cached = cached_tokens(c.matched_blocks, request.prompt_tokens, request.block_size)
-        work = max(c.load.prefill_tokens, 0) + max(request.prompt_tokens - cached, 1)
+        """Expected time to first token on candidate ``c`` (s)."""
+        uncached = self._uncached(request, c)
+        work = max(c.load.prefill_tokens, 0) + uncached
         steps = math.ceil(work / self.step_token_budget)
         return (work / c.prefill_tokens_per_s
-                + steps * c.decode_step_s_per_seq * max(c.load.inflight, 0)
+                + steps * c.decode_step_s_per_seq * max(c.load.inflight, 0))
+
+    def cost_s(self, request: RouteRequest, c: Candidate) -> float:
+        """The quantity minimised: TTFT plus the delay imposed on others (s)."""
+        return (self.expected_ttft_s(request, c)
+                + self.work_weight * self._uncached(request, c) / c.prefill_tokens_per_s
                 + c.healthy_penalty_s)
 
+    @staticmethod
+    def _uncached(request: RouteRequest, c: Candidate) -> int:
+        cached = cached_tokens(c.matched_blocks, request.prompt_tokens, request.block_size)
+        return max(request.prompt_tokens - cached, 1)
+
     def choose(self, request, candidates):
-        costs = {c.replica: self.expected_ttft_s(request, c) for c in candidates}
+        costs = {c.replica: self.cost_s(request, c) for c in candidates}
         predicted = self._predicted(request, candidates)
         best = min(costs.values())
         bound = best + max(self.tie_abs_s, self.tie_rel * best)
@@ -199,7 +217,8 @@ class PrefixAware(Policy):
                       key=lambda c: (costs[c.replica], c.load.recent))
         ranked = [pick.replica] + [c.replica for c in rest]
         reason = "cache" if predicted[pick.replica] > 0 else "load"
-        return Decision(ranked, reason, predicted, costs)
+        return Decision(ranked, reason, predicted,
+                        {c.replica: self.expected_ttft_s(request, c) for c in candidates})
 
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (PrefixAware, RoundRobin, Random,

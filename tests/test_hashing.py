@@ -1,0 +1,75 @@
+"""Block hashes: vLLM 0.32's test vectors (reference section 3.3) and chain properties."""
+
+import pytest
+
+from router.hashing import BlockHasher, HashConfigError, HashSettings, to_block_hash
+
+
+def hasher(**kw):
+    return BlockHasher(HashSettings(**{"block_size": 32, "seed": "0", **kw}))
+
+
+def test_xxhash_cbor_matches_vllm_test_vectors():
+    h = hasher(hash_algo="xxhash_cbor")
+    assert h.none_hash.hex() == "1ebe36576dcb573f26b99533a20aaeca"
+    assert h.block_hashes(list(range(64))) == [3933666952306121906, 1283280737430802979]
+
+
+def test_sha256_cbor_matches_vllm_test_vectors():
+    h = hasher(hash_algo="sha256_cbor")
+    assert h.none_hash.hex() == (
+        "4e1195df020de59e0d65a33a4279f1183e7ae4e5d980e309f8b55adff2e61c3e")
+    assert h.block_hashes(list(range(64))) == [16788556735714370586, 10098319661985908792]
+
+
+def test_cache_salt_uses_the_versions_own_encoding():
+    assert hasher().block_hashes(list(range(32)), cache_salt="abc") == [16961449403433419312]
+    assert hasher(extra_key_encoding="vllm-0.26").block_hashes(
+        list(range(32)), cache_salt="abc") == [3136770795926885123]
+
+
+def test_trailing_partial_block_is_not_hashed():
+    h = hasher()
+    assert h.block_hashes(list(range(31))) == []
+    assert h.block_hashes(list(range(95))) == h.block_hashes(list(range(96)))[:2]
+
+
+def test_each_block_hash_depends_on_its_parent():
+    """FAULTS.md 3.1: the same block content after a different prefix has another key."""
+    h = hasher()
+    a, b = list(range(32)), list(range(100, 132))
+    ab = h.block_hashes(a + b)
+    b_alone = h.block_hashes(b)
+    assert ab[1] != b_alone[0]
+
+
+def test_seed_changes_every_hash():
+    assert hasher(seed="0").block_hashes(list(range(32))) != hasher(seed="1").block_hashes(
+        list(range(32)))
+
+
+def test_lora_and_salt_of_the_same_name_never_collide():
+    """FAULTS.md 3.4: tagged extra keys keep a LoRA named X apart from a salt X."""
+    h = hasher()
+    tokens = list(range(64))
+    assert h.block_hashes(tokens, lora_name="X")[0] != h.block_hashes(tokens, cache_salt="X")[0]
+    assert h.block_hashes(tokens, lora_name="X")[0] != h.block_hashes(tokens)[0]
+
+
+def test_event_key_is_the_low_64_bits_big_endian():
+    digest = bytes(range(16))
+    assert to_block_hash(digest) == int.from_bytes(bytes(range(8, 16)), "big")
+    assert to_block_hash(2**70 + 5) == 5
+
+
+@pytest.mark.parametrize("kw", [{"hash_algo": "sha256"}, {"hash_algo": "xxhash"},
+                                {"seed": ""}, {"block_size": 0}])
+def test_settings_that_cannot_reproduce_the_engine_are_refused(kw):
+    with pytest.raises(HashConfigError):
+        HashSettings(**kw)
+
+
+def test_mismatches_name_the_differing_settings():
+    mine = HashSettings(block_size=32)
+    assert mine.mismatches({"block_size": 16, "hash_algo": "xxhash_cbor", "seed": "0",
+                            "extra_key_encoding": "vllm-0.32"}) == ["block_size"]

@@ -1,0 +1,170 @@
+"""Routing policies and RoutingCore decisions with the in-process index and load tracker."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.clock import ManualClock
+from router.config import Settings
+from router.index.base import IndexUnavailable
+from router.index.memory import MemoryPrefixIndex
+from router.load import MemoryLoadTracker, ReplicaLoad
+from router.policies import (Candidate, LeastLoaded, PrefixAware, RoundRobin, RouteRequest,
+                             cached_tokens, make_policy)
+from router.routing import ReplicaInfo, RoutingCore
+
+BS = 32
+
+
+def req(tokens: int) -> RouteRequest:
+    return RouteRequest(prompt_tokens=tokens, block_size=BS, num_blocks=tokens // BS)
+
+
+def make_core(policy="prefix_aware", seed=0, index=None):
+    clock = ManualClock(1000.0)
+    settings = Settings(policy=policy)
+    core = RoutingCore(settings, index or MemoryPrefixIndex(clock=clock),
+                       MemoryLoadTracker(clock=clock), make_policy(policy, random.Random(seed)))
+    return core, clock
+
+
+def replicas(*ids):
+    return [ReplicaInfo(r, {}, {}) for r in ids]
+
+
+def hashes(prefix: int, n: int) -> list[int]:
+    return [prefix * 1_000_000 + i for i in range(n)]
+
+
+def test_cached_tokens_follow_the_engines_cap_at_prompt_minus_one():
+    assert cached_tokens(3, 96, 32) == 64      # a fully cached 3-block prompt reports 2
+    assert cached_tokens(3, 97, 32) == 96
+    assert cached_tokens(10, 100, 32) == 96
+    assert cached_tokens(0, 0, 32) == 0
+
+
+def test_round_robin_cycles_in_replica_order():
+    p = RoundRobin()
+    cands = [Candidate("b"), Candidate("a"), Candidate("c")]
+    assert [p.choose(req(10), cands).replica for _ in range(4)] == ["a", "b", "c", "a"]
+
+
+def test_least_loaded_takes_the_less_loaded_of_two():
+    p = LeastLoaded(random.Random(1))
+    cands = [Candidate("a", load=ReplicaLoad(inflight=5)), Candidate("b", load=ReplicaLoad())]
+    assert all(p.choose(req(10), cands).replica == "b" for _ in range(10))
+
+
+def test_prefix_aware_prefers_the_replica_holding_the_prefix():
+    p = PrefixAware(random.Random(0))
+    cands = [Candidate("a", matched_blocks=60), Candidate("b")]
+    d = p.choose(req(2000), cands)
+    assert d.replica == "a" and d.reason == "cache"
+    assert d.predicted_cached_tokens == {"a": 1920, "b": 0}
+
+
+def test_prefix_aware_leaves_a_warm_replica_whose_queue_costs_more_than_the_hit_saves():
+    p = PrefixAware(random.Random(0))
+    cands = [Candidate("a", matched_blocks=30, load=ReplicaLoad(inflight=20,
+                                                                prefill_tokens=200_000)),
+             Candidate("b")]
+    assert p.choose(req(1000), cands).replica == "b"
+
+
+async def test_misses_are_decided_by_load_not_by_cache_size():
+    """FAULTS.md 1.1: new prompts go to the idle replica holding a big cache, not to the
+    busy replica whose index entry is small."""
+    core, clock = make_core()
+    await core.index.record_predicted("A", hashes(1, 128), ttl_s=600)   # A: 4k-token prompt
+    for i in range(30):                                                  # B: 30 long requests
+        await core.load.reserve(f"busy{i}", "B", 0)
+    chosen = []
+    for i in range(20):
+        d = await core.decide(f"new{i}", 1000, hashes(100 + i, 31), replicas("A", "B"))
+        chosen.append(d.replica)
+        await core.load.release(f"new{i}")
+    assert chosen.count("A") >= 18, chosen
+
+
+async def test_paced_sessions_split_cold_starts_and_keep_affinity():
+    """FAULTS.md 1.4: one request in flight at a time; first turns still spread (the recent
+    assignments signal), follow-ups stay on their session's replica."""
+    core, clock = make_core()
+    firsts, affinity = [], []
+    for s in range(40):
+        history = hashes(s + 1, 32)
+        first = None
+        for turn in range(5):
+            history = history + hashes(1000 * (s + 1) + turn, 4)
+            d = await core.decide(f"s{s}t{turn}", len(history) * BS + 10, history,
+                                  replicas("A", "B"))
+            await core.load.release(f"s{s}t{turn}")
+            clock.advance(1.0)
+            if turn == 0:
+                first = d.replica
+                firsts.append(first)
+            else:
+                affinity.append(d.replica == first)
+    assert 16 <= firsts.count("A") <= 24, firsts
+    assert sum(affinity) / len(affinity) >= 0.9
+
+
+async def test_a_hot_replica_elsewhere_does_not_switch_off_affinity():
+    """FAULTS.md 1.6: D overloaded; requests warm on A still go to A, none to D."""
+    core, clock = make_core()
+    await core.index.record_predicted("A", hashes(7, 64), ttl_s=600)
+    for i in range(50):
+        await core.load.reserve(f"d{i}", "D", 4000)
+    got = []
+    for i in range(20):
+        d = await core.decide(f"q{i}", 2100, hashes(7, 64) + hashes(70 + i, 1),
+                              replicas("A", "B", "C", "D"))
+        got.append((d.replica, d.predicted_cached_tokens[d.replica]))
+        await core.load.release(f"q{i}")
+    assert all(r == "A" for r, _ in got), got
+    assert sum(c for _, c in got) >= 20 * 1900
+
+
+async def test_burst_of_siblings_lands_together_before_any_engine_event():
+    """Predicted entries: request 2 of a new prefix sees request 1's blocks at once."""
+    core, clock = make_core()
+    shared = hashes(9, 40)
+    d1 = await core.decide("r1", 1400, shared + hashes(90, 3), replicas("A", "B"))
+    d2 = await core.decide("r2", 1400, shared + hashes(91, 3), replicas("A", "B"))
+    assert d2.replica == d1.replica and d2.reason == "cache"
+
+
+class _DownIndex(MemoryPrefixIndex):
+    async def lookup(self, block_hashes, replicas):
+        raise IndexUnavailable("down")
+
+    async def record_predicted(self, replica, block_hashes, ttl_s):
+        raise IndexUnavailable("down")
+
+
+async def test_index_outage_falls_back_to_load_and_is_reported():
+    errors = []
+    core, clock = make_core(index=_DownIndex())
+    core.on_index_error = lambda exc, op: errors.append(op)
+    await core.load.reserve("x", "A", 5000)
+    d = await core.decide("r", 1000, hashes(1, 30), replicas("A", "B"))
+    assert d.reason == "fallback" and d.replica == "B"
+    assert errors == ["lookup"] and not core.index_available
+
+
+async def test_replica_with_other_hash_settings_is_excluded():
+    core, clock = make_core()
+    bad = ReplicaInfo("B", {"hash_algo": "sha256_cbor", "block_size": 32, "seed": "0",
+                            "extra_key_encoding": "vllm-0.32"}, {})
+    good = ReplicaInfo("A", {"hash_algo": "xxhash_cbor", "block_size": 32, "seed": "0",
+                             "extra_key_encoding": "vllm-0.32"}, {})
+    for i in range(10):
+        d = await core.decide(f"r{i}", 500, hashes(i, 15), [good, bad])
+        assert d.replica == "A"
+
+
+def test_unknown_policy_name_is_refused():
+    with pytest.raises(ValueError, match="unknown policy"):
+        make_policy("fastest")
