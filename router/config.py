@@ -151,3 +151,19 @@ class Settings(BaseSettings):
     def dump(self) -> dict[str, Any]:
         """JSON-serialisable dict of every field (to pass to other processes)."""
         return self.model_dump(mode="json")
+
+
+def settings_markdown() -> str:
+    """The configuration reference (docs/configuration.md) generated from the fields."""
+    rows = ["| setting | environment variable | default | description |", "|---|---|---|---|"]
+    for name, f in Settings.model_fields.items():
+        default = f.default_factory() if f.default_factory else f.default
+        if name == "model":
+            default = "models/tiny-qwen2 (generated)"
+        rows.append(f"| `{name}` | `PREFIX_ROUTER_{name.upper()}` | `{default!r}` | "
+                    f"{(f.description or '').replace('|', '/')} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(settings_markdown())
