@@ -27,7 +27,10 @@ from ray import serve
 from replicas.engine import EnginePorts, EngineProcess, EngineStartError
 from replicas.engine_metrics import PrefillRateEstimator, parse_engine_metrics
 from router.config import Settings
+from router.hashing import BlockHasher
+from router.kv_consumer import EventFeed
 from router.protocol import ReplicaHead, RoutedRequest
+from router.state import make_index
 
 logger = logging.getLogger("ray.serve")
 
@@ -77,6 +80,14 @@ class EngineReplica:
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
         self.rate = PrefillRateEstimator(self.settings.prefill_tokens_per_s)
         self.stats: dict[str, Any] = {}
+        # With Redis this replica writes its engine's events to the shared index; without,
+        # the router consumes them itself and this feed only watches liveness.
+        self.index = make_index(self.settings) if self.settings.redis_url else None
+        self.feed = EventFeed(self.replica_id, self.ports.kv_events, self.ports.kv_replay,
+                              self.index)
+        self.feed.health.grace_s = self.settings.kv_events_grace_s
+        self.feed.start()
+        self.hash_probe = await self._probe_hashes()
         self._monitor = asyncio.get_running_loop().create_task(self._watch_engine())
 
     # --- Serve hooks -------------------------------------------------------------------
@@ -92,6 +103,7 @@ class EngineReplica:
             "kv_events_topic": self.replica_id,
             "model": self.settings.served_model_name,
             "device": self.device,
+            "hash_probe": self.hash_probe,
             **self.settings.hash_settings.as_dict(),
         }
 
@@ -107,6 +119,13 @@ class EngineReplica:
     # --- request path ------------------------------------------------------------------
     async def generate(self, req: RoutedRequest) -> AsyncIterator[Any]:
         """Yield a ``ReplicaHead``, then the engine's response body as raw byte chunks."""
+        try:
+            async for item in self._generate(req):
+                yield item
+        finally:
+            self.feed.health.on_request_done(bool(req.block_hashes), time.time())
+
+    async def _generate(self, req: RoutedRequest) -> AsyncIterator[Any]:
         predicted = req.predicted_cached_tokens.get(self.replica_id, 0)
         if not self.engine.alive():
             yield ReplicaHead(self.replica_id, 503, {}, retryable=True,
@@ -156,13 +175,61 @@ class EngineReplica:
             return
         self.stats = {"prefill_tokens_per_s": self.rate.update(snap),
                       "prefill_rate_measured": self.rate.measured,
+                      "kv_events_live": self.feed.health.live(time.time()),
+                      "kv_event_batches": self.feed.batches,
+                      "kv_event_gaps": self.feed.subscriber.gaps,
+                      "kv_event_lag_s": self.feed.health.lag_s(),
+                      "index_dirty": self.feed.dirty,
                       "running": snap.running, "waiting": snap.waiting,
                       "kv_usage_frac": snap.kv_usage_frac, "engine_alive": self.engine.alive(),
                       "restarts": self.restarts}
 
+    async def _probe_hashes(self, timeout_s: float = 5.0) -> str:
+        """Send a probe prompt and compare the engine's ``BlockStored`` hashes with ours.
+
+        Returns ``"ok"``, ``"mismatch"`` (the engine hashes differently: logged loudly, and
+        the router refuses the replica), or ``"no_events"`` (none arrived: approximate mode).
+        """
+        import random
+        bs = self.settings.block_size
+        rng = random.Random(self.replica_id)
+        ids = [rng.randrange(100, 4000) for _ in range(2 * bs + 1)]
+        expected = BlockHasher(self.settings.hash_settings).block_hashes(ids)
+        before = self.feed.batches
+        try:
+            r = await self.client.post("/v1/completions", timeout=60.0, json={
+                "model": self.settings.served_model_name, "prompt": ids, "max_tokens": 1})
+            r.raise_for_status()
+        except httpx.HTTPError as exc:
+            logger.error("hash probe of replica %s could not run: %s", self.replica_id, exc)
+            return "no_events"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            held = self.feed.record.exact_entries(self.replica_id)
+            if all(h in held for h in expected):
+                return "ok"
+            await asyncio.sleep(0.05)
+        if self.feed.batches > before:
+            logger.error(
+                "replica %s: its engine's block hashes differ from the router's for the same "
+                "tokens (settings %s); the router will refuse this replica",
+                self.replica_id, self.settings.hash_settings.as_dict())
+            return "mismatch"
+        logger.error("replica %s: its engine published no KV events within %.0f s; routing "
+                     "for it uses predicted entries only", self.replica_id, timeout_s)
+        return "no_events"
+
     async def _watch_engine(self) -> None:
+        silent_logged = False
         while True:
             await asyncio.sleep(1.0)
+            live = self.feed.health.live(time.time())
+            if not live and not silent_logged:
+                logger.error("replica %s: its engine publishes no KV events (no batch within "
+                             "%.0f s of a completed request); the router keeps predicted "
+                             "entries for it with the long TTL", self.replica_id,
+                             self.settings.kv_events_grace_s)
+            silent_logged = not live
             if self.engine.alive() or self.failed:
                 continue
             logger.error("engine of replica %s exited (code %s); log tail:\n%s",
@@ -184,5 +251,7 @@ class EngineReplica:
     async def shutdown(self) -> None:
         if getattr(self, "_monitor", None):
             self._monitor.cancel()
+        if getattr(self, "feed", None):
+            await self.feed.stop()
         if getattr(self, "engine", None):
             await self.engine.stop()

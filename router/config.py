@@ -95,8 +95,17 @@ class Settings(BaseSettings):
                                 "load alone for that request.")
     index_namespace: str = Field("prefix-router", description="Prefix of every Redis key.")
     predicted_ttl_s: float = Field(
-        600.0, gt=0, description="Lifetime of predicted index entries written at routing time. "
-                                 "Minutes, so a conversation's pauses do not lose its replica.")
+        600.0, gt=0, description="Lifetime of predicted index entries for a replica whose "
+                                 "engine publishes no KV events (approximate mode): minutes, "
+                                 "so a conversation's pauses do not lose its replica.")
+    predicted_ttl_with_events_s: float = Field(
+        15.0, gt=0, description="Lifetime of predicted entries for a replica whose KV events "
+                                "flow: long enough for a burst of siblings to land together "
+                                "before the first BlockStored arrives.")
+    kv_events_grace_s: float = Field(
+        5.0, gt=0, description="A replica whose engine sent no KV-event batch this long after "
+                               "a request with a full prompt block completed is reported as "
+                               "publishing no events.")
     prefill_tokens_per_s: float = Field(
         20000.0, gt=0, description="Initial prefill rate per replica for the cost model; "
                                    "replaced by the measured rate once requests complete.")

@@ -109,15 +109,17 @@ async def replay(ctx: zmq.asyncio.Context, endpoint: str, start_seq: int,
 class KVEventSubscriber:
     """Subscribes to one engine's KV-event publisher and yields its batches in order.
 
-    It tracks the sequence number: a gap (lost batches) triggers a replay of the missing
-    range from the replay endpoint when there is one; if the replay cannot fill it, the
-    caller is told to clear the replica (``on_gap`` returns ``"clear"``). A sequence that
-    goes back (the engine restarted and counts from 0 again) is reported as a restart.
-    A new subscription misses what was published before it took effect, so the subscriber
-    replays from 0 right after connecting.
+    Sequence numbers are tracked: a gap (lost batches: ZMQ high-water mark, a reconnect) is
+    filled by a replay of the missing range when the engine has a replay endpoint; if the
+    replay cannot fill it, the marker ``"clear"`` is yielded (the replica's entries are
+    incomplete and must be dropped). A sequence that goes back (the engine restarted and
+    counts from 0 again) yields ``"restart"`` (clear, then apply what follows). A new
+    subscription misses what was published before it took effect, so the subscriber
+    replays from 0 right after connecting; live batches that the replay already delivered
+    are skipped.
 
     Args:
-        endpoint: the engine's publisher, e.g. ``tcp://10.0.0.5:5600``.
+        endpoint: the engine's publisher, e.g. ``ipc:///tmp/prefix-router-r1-kv.sock``.
         replay_endpoint: its replay ROUTER socket, or None.
         topic: topic prefix to subscribe to (``""`` for all).
     """
@@ -128,15 +130,13 @@ class KVEventSubscriber:
         self.topic = topic
         self.last_seq: int | None = None
         self.gaps = 0
-        self.restarts = 0
         self.unfilled_gaps = 0
-        self.last_batch_at: float | None = None
+        self.restarts = 0
+        self._replayed: tuple[int, int] | None = None  # (first, last) seq of the last replay
         self._ctx = zmq.asyncio.Context.instance()
 
     async def batches(self) -> AsyncIterator[EventBatch | str]:
-        """Batches in sequence order, interleaved with the markers ``"restart"`` (the engine
-        restarted: clear the replica, then apply what follows) and ``"clear"`` (a gap that
-        replay could not fill: the replica's entries are incomplete)."""
+        """Batches in sequence order, interleaved with ``"restart"`` / ``"clear"`` markers."""
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 0)
@@ -144,12 +144,13 @@ class KVEventSubscriber:
         sub.setsockopt(zmq.SUBSCRIBE, self.topic.encode())
         try:
             await asyncio.sleep(0.05)  # let the subscription reach the publisher
-            for item in await self._replay_from(0):
-                yield item
+            for b in await self._replay_range(0, None):
+                self.last_seq = b.seq
+                yield b
             while True:
                 topic_b, seq_b, payload = (await sub.recv_multipart())[:3]
-                seq = int.from_bytes(seq_b, "big")
-                async for item in self._accept(topic_b.decode(errors="replace"), seq, payload):
+                async for item in self._accept(topic_b.decode(errors="replace"),
+                                               int.from_bytes(seq_b, "big"), payload):
                     yield item
         finally:
             sub.close()
@@ -157,26 +158,26 @@ class KVEventSubscriber:
     async def _accept(self, topic: str, seq: int, payload: bytes):
         last = self.last_seq
         if last is not None and seq <= last:
-            if seq < last and seq == 0 or seq < last - 1:
-                self.restarts += 1
-                logger.warning("KV events of %s restarted at seq %d (was %d): engine restart",
-                               self.endpoint, seq, last)
-                self.last_seq = None
-                yield "restart"
-            else:
-                return  # a duplicate of a replayed batch
+            r = self._replayed
+            if r is not None and r[0] <= seq <= r[1]:
+                return  # already delivered by the replay
+            self.restarts += 1
+            logger.warning("KV events of %s went back to seq %d (last %d): engine restart",
+                           self.endpoint, seq, last)
+            self.last_seq = last = None
+            self._replayed = None
+            yield "restart"
         elif last is not None and seq > last + 1:
             self.gaps += 1
-            logger.warning("KV events of %s: gap %d..%d", self.endpoint, last + 1, seq - 1)
-            filled = [b for b in await self._replay_from(last + 1) if isinstance(b, EventBatch)
-                      and b.seq < seq]
-            if not filled or filled[0].seq != last + 1 or filled[-1].seq != seq - 1:
-                self.unfilled_gaps += 1
-                self.last_seq = None
-                yield "clear"
-            else:
+            logger.warning("KV events of %s: batches %d..%d lost", self.endpoint, last + 1,
+                           seq - 1)
+            filled = await self._replay_range(last + 1, seq - 1)
+            if [b.seq for b in filled] == list(range(last + 1, seq)):
                 for b in filled:
                     yield b
+            else:
+                self.unfilled_gaps += 1
+                yield "clear"
         try:
             ts, events = decode_batch(payload)
         except ValueError as exc:
@@ -184,10 +185,10 @@ class KVEventSubscriber:
             self.last_seq = seq
             return
         self.last_seq = seq
-        self.last_batch_at = asyncio.get_running_loop().time()
         yield EventBatch(topic, seq, ts, events)
 
-    async def _replay_from(self, start: int) -> list[EventBatch]:
+    async def _replay_range(self, start: int, end: int | None) -> list[EventBatch]:
+        """Buffered batches with ``start <= seq <= end`` (no upper bound when None)."""
         if not self.replay_endpoint:
             return []
         try:
@@ -197,10 +198,13 @@ class KVEventSubscriber:
             return []
         out = []
         for topic, seq, payload in raw:
+            if end is not None and seq > end:
+                break
             try:
                 ts, events = decode_batch(payload)
             except ValueError:
                 continue
             out.append(EventBatch(topic, seq, ts, events, replayed=True))
-            self.last_seq = seq
+        if out:
+            self._replayed = (out[0].seq, out[-1].seq)
         return out

@@ -70,6 +70,23 @@ def _make() -> dict[str, Any]:
         "hash_mismatch": Gauge("router_replica_hash_mismatch",
                                "1 for a replica whose hash settings differ from the router's "
                                "(it gets no cache-aware traffic).", tag_keys=("replica",)),
+        "replicas_without_kv_events": Gauge(
+            "router_replicas_without_kv_events",
+            "Replicas whose engine published no KV events after serving cacheable requests "
+            "(routed on predicted entries only)."),
+        "kv_event_batches": Counter("router_kv_event_batches_total",
+                                    "KV-event batches consumed.", tag_keys=("replica",)),
+        "kv_event_gaps": Counter("router_kv_event_gaps_total",
+                                 "Sequence gaps in an engine's KV events.",
+                                 tag_keys=("replica",)),
+        "kv_event_lag": Histogram("router_kv_event_lag_seconds",
+                                  "Engine step time to consumption of a KV-event batch.",
+                                  boundaries=OVERHEAD_BOUNDARIES_S, tag_keys=("replica",)),
+        "kv_blocks_applied": Counter("router_kv_blocks_applied_total",
+                                     "Block hashes written to the index from KV events.",
+                                     tag_keys=("replica",)),
+        "index_entries": Gauge("router_index_entries",
+                               "(block, replica) entries in the index."),
         "overhead": Histogram("router_routing_overhead_seconds",
                               "Arrival to dispatch: parse, tokenize, hash, index, score.",
                               boundaries=OVERHEAD_BOUNDARIES_S, tag_keys=("policy",)),

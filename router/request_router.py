@@ -13,6 +13,7 @@ one. State lives on ``self`` or in ``router.state`` (this module is pickled by v
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 import time
@@ -42,6 +43,7 @@ class PrefixCacheRequestRouter(RequestRouter):
         self._policies = {self.policy.name: self.policy}
         self._core: RoutingCore | None = None
         self._known: set[str] = set()
+        self._feeds: dict = {}
         state.put("replica_count", None)
 
     def _routing_core(self) -> RoutingCore:
@@ -81,6 +83,8 @@ class PrefixCacheRequestRouter(RequestRouter):
         infos = [ReplicaInfo(r.replica_id.unique_id, r.replica_metadata or {},
                              r.routing_stats or {}) for r in pool]
         core = self._routing_core()
+        metrics.get("replicas_without_kv_events").set(
+            sum(1 for i in infos if i.stats.get("kv_events_live") is False))
         policy = self._policy_for(req)
         decision = await core.decide(req.request_id, req.prompt_tokens, req.block_hashes, infos,
                                      cacheable=bool(req.block_hashes), policy=policy)
@@ -111,9 +115,12 @@ class PrefixCacheRequestRouter(RequestRouter):
         # Serve sent it elsewhere (the choice was at max_ongoing_requests): follow it.
         actual = replica_id.unique_id
         req.routed_replica = actual
-        import asyncio
+        running = next((r for r in self.curr_replicas.values()
+                        if r.replica_id.unique_id == actual), None)
+        info = ReplicaInfo(actual, running.replica_metadata if running else {},
+                           running.routing_stats if running else {})
         asyncio.get_running_loop().create_task(self._core.moved(
-            req.request_id, actual, req.prompt_tokens, req.block_hashes,
+            req.request_id, info, req.prompt_tokens, req.block_hashes,
             req.predicted_cached_tokens.get(actual, 0)))
 
     def update_replicas(self, replicas: List[RunningReplica]) -> None:
@@ -124,12 +131,29 @@ class PrefixCacheRequestRouter(RequestRouter):
                                for r in replicas})
         gone = self._known - ids
         self._known = ids
-        if gone and self._core is not None:
-            import asyncio
+        try:
             loop = asyncio.get_running_loop()
-            for rid in gone:
-                logger.info("replica %s left; purging its index entries", rid)
-                loop.create_task(self._core.remove_replica(rid))
+        except RuntimeError:
+            return
+        core = self._routing_core()
+        for rid in gone:
+            logger.info("replica %s left; purging its index entries", rid)
+            feed = self._feeds.pop(rid, None)
+            if feed is not None:
+                loop.create_task(feed.stop())
+            loop.create_task(core.remove_replica(rid))
+        if not self.settings.redis_url:
+            # In-process index: this router consumes the engines' KV events itself (the
+            # engines' ipc:// endpoints are on this host, DESIGN.md decision 2).
+            from router.kv_consumer import EventFeed
+            for r in replicas:
+                rid, md = r.replica_id.unique_id, r.replica_metadata or {}
+                if rid in self._feeds or not md.get("kv_events_endpoint"):
+                    continue
+                feed = EventFeed(rid, md["kv_events_endpoint"], md.get("kv_replay_endpoint"),
+                                 core.index)
+                feed.start()
+                self._feeds[rid] = feed
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

@@ -67,6 +67,8 @@ class RoutingCore:
         if "hash_algo" not in md:
             return True
         bad = self.hash_settings.mismatches(md)
+        if md.get("hash_probe") == "mismatch":
+            bad.append("hash_probe (the engine's BlockStored hashes differ from ours)")
         if bad and replica.replica_id not in self._mismatch_logged:
             self._mismatch_logged.add(replica.replica_id)
             logger.error(
@@ -115,8 +117,16 @@ class RoutingCore:
         uncached = max(prompt_tokens - decision.predicted_cached_tokens.get(chosen, 0), 0)
         await self.load.reserve(request_id, chosen, uncached)
         if block_hashes and cacheable and ok and not index_failed:
-            await self.record(chosen, block_hashes)
+            chosen_info = next(r for r in pool if r.replica_id == chosen)
+            await self.record(chosen, block_hashes, self.predicted_ttl_s(chosen_info))
         return decision
+
+    def predicted_ttl_s(self, replica: ReplicaInfo) -> float:
+        """Short TTL while the replica's KV events flow (exact entries take over), the long
+        one when its engine publishes none (approximate mode, FAULTS.md 8.2)."""
+        if replica.stats.get("kv_events_live") is False:
+            return self.settings.predicted_ttl_s
+        return self.settings.predicted_ttl_with_events_s
 
     def fleet_prefill_rate(self, replicas: Sequence[ReplicaInfo]) -> float:
         """Prefill rate (tokens/s) used for every candidate: the median of the replicas'
@@ -134,20 +144,21 @@ class RoutingCore:
             return self.settings.prefill_tokens_per_s
         return rates[len(rates) // 2]
 
-    async def record(self, replica: str, block_hashes: Sequence[int]) -> None:
+    async def record(self, replica: str, block_hashes: Sequence[int], ttl_s: float) -> None:
         """Write predicted entries for ``replica``; an index failure is counted, not raised."""
         try:
-            await self.index.record_predicted(replica, block_hashes, self.settings.predicted_ttl_s)
+            await self.index.record_predicted(replica, block_hashes, ttl_s)
         except IndexUnavailable as exc:
             self._index_error(exc, "record")
 
-    async def moved(self, request_id: str, replica: str, prompt_tokens: int,
+    async def moved(self, request_id: str, replica: ReplicaInfo, prompt_tokens: int,
                     block_hashes: Sequence[int], predicted_cached_tokens: int) -> None:
         """Serve sent the request to ``replica``, not the router's choice: move its
         reservation and predicted entries there."""
-        await self.load.reserve(request_id, replica, max(prompt_tokens - predicted_cached_tokens, 0))
+        await self.load.reserve(request_id, replica.replica_id,
+                                max(prompt_tokens - predicted_cached_tokens, 0))
         if block_hashes:
-            await self.record(replica, block_hashes)
+            await self.record(replica.replica_id, block_hashes, self.predicted_ttl_s(replica))
 
     async def remove_replica(self, replica: str) -> None:
         """Purge a replica that left the deployment from the index and the load tracker."""

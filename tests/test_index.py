@@ -33,8 +33,9 @@ async def index(request):
     await idx.close()
 
 
-def stored(*hs):
-    return KVEvent("stored", list(hs))
+def stored(*hs, parent=0):
+    """BlockStored of ``hs`` after block ``parent`` (None: a run from block 0)."""
+    return KVEvent("stored", list(hs), parent)
 
 
 def removed(*hs):
@@ -80,6 +81,22 @@ async def test_removing_one_physical_copy_keeps_the_other(index):
     assert (await index.lookup([7, 8], ["A"]))["A"] == 2
     await index.apply_events("A", [removed(8)])
     assert (await index.lookup([7, 8], ["A"]))["A"] == 1
+
+
+async def test_reannounced_prefix_leaves_no_phantom_entry(index):
+    """kv_cache_report_mode="full" republishes reused blocks from block 0: when the one
+    physical copy goes, the entry goes."""
+    await index.apply_events("A", [stored(1, 2, parent=None)])
+    await index.apply_events("A", [stored(1, 2, parent=None)])  # re-announcement
+    await index.apply_events("A", [removed(2), removed(1)])
+    assert (await index.lookup([1, 2], ["A"]))["A"] == 0
+
+
+async def test_new_blocks_after_a_reannounced_prefix_count_normally(index):
+    await index.apply_events("A", [stored(1, parent=None), stored(1, 2, parent=None)])
+    assert (await index.lookup([1, 2], ["A"]))["A"] == 2
+    await index.apply_events("A", [removed(2)])
+    assert (await index.lookup([1, 2], ["A"]))["A"] == 1
 
 
 async def test_removal_of_unknown_block_is_ignored(index):
@@ -139,3 +156,10 @@ async def test_unreachable_redis_raises_index_unavailable_within_timeout():
         await idx.lookup([1, 2], ["A"])
     with pytest.raises(IndexUnavailable):
         await idx.record_predicted("A", [1], 1)
+
+
+async def test_exact_entry_count_per_replica(index):
+    await index.apply_events("A", [stored(1, 2, 3)])
+    await index.apply_events("B", [stored(1)])
+    assert await index.exact_entry_count("A") == 3
+    assert await index.exact_entry_count("C") == 0

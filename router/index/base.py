@@ -12,6 +12,14 @@ keyed by the same 64-bit block hash (``router.hashing.BlockHash``):
   the engine holds with that hash (the engine does not de-duplicate), so removing one copy
   keeps the others (``../shared/reference/RAY_SERVE_AND_VLLM.md`` section 4.5).
 
+Ownership rules (tested against real engines): a ``BlockStored`` adds one copy per hash; a
+``BlockRemoved`` removes one and the entry goes at zero; a ``BlockStored`` run that starts at
+block 0 (no parent) over hashes the replica already holds is a re-announcement
+(``kv_cache_report_mode="full"`` republishes reused prefixes that way) and adds nothing, so
+no phantom entry outlives the block. The one case this undercounts, two copies of a block-0
+run computed in the same engine step, can only make the router miss a hit (an entry dropped
+while one copy remains), never predict one that is not there.
+
 ``lookup`` returns, per candidate replica, the number of leading blocks of the request the
 replica holds (predicted or exact). Matching stops at the first block a replica lacks: a
 later block is worthless without its parent (FAULTS.md 2.4), and chained hashes make a
@@ -98,6 +106,10 @@ class PrefixIndex(ABC):
     @abstractmethod
     async def remove_replica(self, replica: str) -> None:
         """Forget every entry (exact and predicted) of ``replica``."""
+
+    @abstractmethod
+    async def exact_entry_count(self, replica: str) -> int:
+        """Number of blocks with an exact entry for ``replica``."""
 
     @abstractmethod
     async def stats(self) -> IndexStats:

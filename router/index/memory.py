@@ -132,9 +132,13 @@ class MemoryPrefixIndex(PrefixIndex):
                 elif ev.medium not in (None, "GPU"):
                     continue
                 elif ev.kind == "stored":
+                    from_root = ev.parent_block_hash is None
                     for h in ev.block_hashes:
                         owners = self._exact.setdefault(h, {})
-                        owners[replica] = owners.get(replica, 0) + 1
+                        n = owners.get(replica, 0)
+                        # A run stored from block 0 over blocks already held is a
+                        # re-announcement (kv_cache_report_mode="full"), not new copies.
+                        owners[replica] = n if (from_root and n > 0) else n + 1
                         held.add(h)
                 elif ev.kind == "removed":
                     for h in ev.block_hashes:
@@ -156,6 +160,16 @@ class MemoryPrefixIndex(PrefixIndex):
                 owners.pop(replica, None)
                 if not owners:
                     del self._exact[h]
+
+    def exact_entries(self, replica: str) -> dict[int, int]:
+        """``{block hash: copies}`` of the replica's exact entries (a snapshot)."""
+        with self._lock:
+            return {h: self._exact[h][replica] for h in self._exact_by_replica.get(replica, ())
+                    if replica in self._exact.get(h, {})}
+
+    async def exact_entry_count(self, replica: str) -> int:
+        with self._lock:
+            return len(self._exact_by_replica.get(replica, ()))
 
     async def remove_replica(self, replica: str) -> None:
         with self._lock:

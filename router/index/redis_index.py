@@ -146,8 +146,9 @@ class RedisPrefixIndex(PrefixIndex):
             if ev.kind == "cleared":
                 ops.append("c")
             elif ev.medium in (None, "GPU") and ev.block_hashes:
-                ops += ["s" if ev.kind == "stored" else "r", len(ev.block_hashes),
-                        *ev.block_hashes]
+                op = "r" if ev.kind == "removed" else (
+                    "S" if ev.parent_block_hash is None else "s")
+                ops += [op, len(ev.block_hashes), *ev.block_hashes]
         if ops:
             await self._run_events(replica, ops)
 
@@ -168,6 +169,12 @@ class RedisPrefixIndex(PrefixIndex):
             return await client.srem(f"{self.ns}:replicas", replica)
 
         await self.conn.call(run)
+
+    async def exact_entry_count(self, replica: str) -> int:
+        async def run(client):
+            return await client.scard(self._replica_sets(replica)[0])
+
+        return int(await self.conn.call(run))
 
     async def stats(self) -> IndexStats:
         async def run(client):

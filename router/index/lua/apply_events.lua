@@ -2,7 +2,9 @@
 -- KEYS[1]: the replica's set of block hashes with exact entries
 -- KEYS[2]: the replica's set of block hashes with predicted entries
 -- ARGV[1]: replica id; ARGV[2]: key prefix of block keys; ARGV[3..]: ops, each one of
---   "s" <n> <hash x n>   BlockStored: one more physical copy of each hash
+--   "s" <n> <hash x n>   BlockStored with a parent: one more physical copy of each hash
+--   "S" <n> <hash x n>   BlockStored from block 0: one more copy of each hash not yet held
+--                        (a run from block 0 over held blocks is a re-announcement)
 --   "r" <n> <hash x n>   BlockRemoved: one copy fewer; the entry goes at zero
 --   "c"                  AllBlocksCleared: drop all exact entries of the replica
 --   "x"                  replica gone: drop its exact and predicted entries
@@ -41,7 +43,7 @@ while i <= #ARGV do
     for k = i + 2, i + 1 + n do
       local h = ARGV[k]
       local key = prefix .. h
-      if op == 's' then
+      if op == 's' or (op == 'S' and not redis.call('HGET', key, rep)) then
         redis.call('HINCRBY', key, rep, 1)
         redis.call('PERSIST', key)
         redis.call('SADD', exact_set, h)

@@ -1,0 +1,217 @@
+"""KV-event consumption over real ZMQ sockets: wire format, gaps, replay, restarts, and the
+index rebuilt after a Redis outage or flush (FAULTS.md 2.1, 2.6, 8.1)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from replicas.sim_server import EventPublisher
+from router.index.base import KVEvent
+from router.index.memory import MemoryPrefixIndex
+from router.index.redis_index import RedisPrefixIndex
+from router.kv_consumer import EventFeed, FeedHealth
+from router.kv_events import decode_batch
+
+
+def endpoints(tmp_path):
+    return f"ipc://{tmp_path}/kv.sock", f"ipc://{tmp_path}/replay.sock"
+
+
+async def until(pred, timeout_s=5.0):
+    for _ in range(int(timeout_s / 0.02)):
+        if await pred():
+            return True
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+def test_vllm_encoded_batch_decodes():
+    """The decoder reads what vLLM's own msgspec encoder writes (tagged maps, omitted
+    defaults, an array batch)."""
+    from vllm.distributed.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored,
+                                            KVEventBatch)
+    import msgspec
+    batch = KVEventBatch(ts=1.5, events=[
+        BlockStored(block_hashes=[1, bytes(8) + (7).to_bytes(8, "big")], parent_block_hash=None, token_ids=[0] * 64,
+                    block_size=32, lora_id=None, medium="GPU", lora_name=None),
+        BlockRemoved(block_hashes=[1], medium="GPU"), AllBlocksCleared()])
+    ts, events = decode_batch(msgspec.msgpack.Encoder().encode(batch))
+    assert ts == 1.5
+    assert [(e.kind, e.block_hashes) for e in events] == [
+        ("stored", [1, 7]), ("removed", [1]), ("cleared", [])]
+    assert events[0].parent_block_hash is None
+
+
+async def test_feed_applies_events_and_replays_what_it_missed_before_joining(tmp_path):
+    ep, rp = endpoints(tmp_path)
+    pub = EventPublisher(ep, rp, "r1")
+    replay_task = asyncio.create_task(pub.serve_replay())
+    await pub.publish([KVEvent("stored", [1, 2], None)], 32)  # before anyone listens
+    index = MemoryPrefixIndex()
+    feed = EventFeed("r1", ep, rp, index, flush_interval_s=0.001)
+    feed.start()
+    await until(lambda: _matched(index, [1, 2], 2))
+    await asyncio.sleep(0.1)
+    await pub.publish([KVEvent("stored", [3], 2)], 32)
+    await until(lambda: _matched(index, [1, 2, 3], 3))
+    await pub.publish([KVEvent("removed", [2])], 32)
+    await until(lambda: _matched(index, [1, 2, 3], 1))
+    assert feed.subscriber.gaps == 0
+    await feed.stop()
+    replay_task.cancel()
+
+
+async def _matched(index, hashes, n):
+    return (await index.lookup(hashes, ["r1"]))["r1"] == n
+
+
+async def test_a_lost_batch_is_counted_and_filled_by_replay(tmp_path):
+    ep, rp = endpoints(tmp_path)
+    pub = EventPublisher(ep, rp, "r1")
+    replay_task = asyncio.create_task(pub.serve_replay())
+    index = MemoryPrefixIndex()
+    feed = EventFeed("r1", ep, rp, index, flush_interval_s=0.001)
+    feed.start()
+    await asyncio.sleep(0.2)
+    for i in range(10):
+        if i == 5:  # batch 5 is buffered for replay but never reaches the subscriber
+            pub.buffer.append((pub.seq, pub._enc.encode([0.0, [
+                {"type": "BlockStored", "block_hashes": [105], "parent_block_hash": 104,
+                 "token_ids": [], "block_size": 32}], 0])))
+            pub.seq += 1
+            continue
+        await pub.publish([KVEvent("stored", [100 + i], 99 + i if i else None)], 32)
+    await until(lambda: _matched(index, list(range(100, 110)), 10))
+    assert feed.subscriber.gaps == 1 and feed.subscriber.unfilled_gaps == 0
+    await feed.stop()
+    replay_task.cancel()
+
+
+async def test_a_gap_replay_cannot_fill_clears_the_replica(tmp_path):
+    ep, _ = endpoints(tmp_path)
+    pub = EventPublisher(ep, None, "r1")  # no replay endpoint
+    index = MemoryPrefixIndex()
+    feed = EventFeed("r1", ep, None, index, flush_interval_s=0.001)
+    feed.start()
+    await asyncio.sleep(0.2)
+    await pub.publish([KVEvent("stored", [1, 2], None)], 32)
+    await until(lambda: _matched(index, [1, 2], 2))
+    pub.seq += 3  # three batches lost for good
+    await pub.publish([KVEvent("stored", [7], None)], 32)
+    await until(lambda: _matched(index, [1, 2], 0))
+    assert (await index.lookup([7], ["r1"]))["r1"] == 1
+    assert feed.subscriber.unfilled_gaps == 1
+    await feed.stop()
+
+
+async def test_engine_restart_clears_the_replicas_entries(tmp_path):
+    ep, _ = endpoints(tmp_path)
+    pub = EventPublisher(ep, None, "r1")
+    index = MemoryPrefixIndex()
+    feed = EventFeed("r1", ep, None, index, flush_interval_s=0.001)
+    feed.start()
+    await asyncio.sleep(0.2)
+    for i in range(3):
+        await pub.publish([KVEvent("stored", [10 + i], 9 + i if i else None)], 32)
+    await until(lambda: _matched(index, [10, 11, 12], 3))
+    pub.pub.close()
+    pub2 = EventPublisher(ep, None, "r1")  # the restarted engine counts from 0 again
+    await asyncio.sleep(0.3)
+    await pub2.publish([KVEvent("stored", [50], None)], 32)
+    await until(lambda: _matched(index, [10], 0))
+    assert (await index.lookup([50], ["r1"]))["r1"] == 1
+    assert feed.subscriber.restarts == 1
+    await feed.stop()
+
+
+def test_feed_health_reports_silence_after_cacheable_requests_only():
+    h = FeedHealth(grace_s=5.0)
+    h.on_request_done(cacheable=False, now=100.0)
+    assert h.live(200.0)
+    h.on_request_done(cacheable=True, now=100.0)
+    assert h.live(104.0) and not h.live(106.0)
+    h.on_batch(engine_ts=105.9, now=106.0)
+    assert h.live(200.0)
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    """A Redis server of this test's own, on a free port (never the shared one)."""
+    import socket
+    import subprocess
+    import time
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def start():
+        return subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                                 "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+                                stdout=subprocess.DEVNULL)
+
+    class Server:
+        url = f"redis://127.0.0.1:{port}/0"
+        proc = start()
+
+        def stop(self):
+            self.proc.terminate()
+            self.proc.wait(5)
+
+        def restart(self):
+            self.proc = start()
+            time.sleep(0.3)
+
+    srv = Server()
+    time.sleep(0.3)
+    yield srv
+    srv.stop()
+
+
+async def test_index_is_rebuilt_from_the_replicas_record_after_redis_returns(tmp_path,
+                                                                             own_redis):
+    ep, _ = endpoints(tmp_path)
+    pub = EventPublisher(ep, None, "r1")
+    index = RedisPrefixIndex(own_redis.url, namespace=f"t{uuid.uuid4().hex[:6]}",
+                             timeout_s=0.2)
+    feed = EventFeed("r1", ep, None, index, flush_interval_s=0.001)
+    feed.start()
+    await asyncio.sleep(0.2)
+    await pub.publish([KVEvent("stored", [1, 2], None)], 32)
+    await until(lambda: _safe_matched(index, [1, 2, 3], 2))
+    own_redis.stop()
+    await pub.publish([KVEvent("stored", [3], 2)], 32)  # lost by Redis, kept by the record
+    await until(lambda: _is_dirty(feed))
+    own_redis.restart()  # an empty Redis comes back
+    await until(lambda: _safe_matched(index, [1, 2, 3], 3), timeout_s=10)
+    assert feed.resyncs >= 1
+    await feed.stop()
+
+
+async def test_a_flushed_index_is_rebuilt_from_the_record(tmp_path, own_redis):
+    """FAULTS.md 2.6 (b): FLUSHDB, then the engine's blocks are indexed again."""
+    ep, _ = endpoints(tmp_path)
+    pub = EventPublisher(ep, None, "r1")
+    index = RedisPrefixIndex(own_redis.url, namespace=f"t{uuid.uuid4().hex[:6]}",
+                             timeout_s=0.5)
+    feed = EventFeed("r1", ep, None, index, flush_interval_s=0.001)
+    feed.start()
+    await asyncio.sleep(0.2)
+    await pub.publish([KVEvent("stored", [1, 2, 3], None)], 32)
+    await until(lambda: _safe_matched(index, [1, 2, 3], 3))
+    await index.conn.client().flushdb()
+    await until(lambda: _safe_matched(index, [1, 2, 3], 3), timeout_s=10)
+    await feed.stop()
+
+
+async def _safe_matched(index, hashes, n):
+    try:
+        return (await index.lookup(hashes, ["r1"]))["r1"] == n
+    except Exception:
+        return False
+
+
+async def _is_dirty(feed):
+    return feed.dirty
