@@ -212,7 +212,8 @@ class PrefixAware(Policy):
         most_cached = max(predicted[c.replica] for c in ties)
         ties = [c for c in ties if predicted[c.replica] == most_cached]
         least_recent = min(c.load.recent for c in ties)
-        pick = self.rng.choice([c for c in ties if c.load.recent <= least_recent + 0.5])
+        finalists = [c for c in ties if c.load.recent <= least_recent + 0.5]
+        pick = finalists[int(self.rng.random() * len(finalists))]  # as lua/route.lua does
         rest = sorted((c for c in candidates if c is not pick),
                       key=lambda c: (costs[c.replica], c.load.recent))
         ranked = [pick.replica] + [c.replica for c in rest]

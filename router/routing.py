@@ -19,7 +19,8 @@ from router.config import Settings
 from router.hashing import HashSettings
 from router.index.base import IndexUnavailable, PrefixIndex
 from router.load import LoadTracker
-from router.policies import Candidate, Decision, Policy, RouteRequest
+from router.policies import (Candidate, Decision, Policy, PrefixAware, RouteRequest,
+                             cached_tokens)
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +55,11 @@ class RoutingCore:
         self.policy = policy
         self.on_index_error = on_index_error
         self.index_available = True
+        # The atomic Redis path: with the Redis index and the Redis load tracker.
+        from router.index.redis_index import RedisPrefixIndex
+        from router.load_redis import RedisLoadTracker
+        self.atomic = load if (isinstance(load, RedisLoadTracker)
+                               and isinstance(index, RedisPrefixIndex)) else None
         self._mismatch_logged: set[str] = set()
 
     def compatible(self, replica: ReplicaInfo) -> bool:
@@ -79,7 +85,7 @@ class RoutingCore:
 
     async def decide(self, request_id: str, prompt_tokens: int, block_hashes: Sequence[int],
                      replicas: Sequence[ReplicaInfo], cacheable: bool = True,
-                     policy: Policy | None = None) -> Decision:
+                     policy: Policy | None = None, _fallback: bool = False) -> Decision:
         """Choose a replica among ``replicas`` (non-empty) and reserve its load.
 
         Args:
@@ -91,8 +97,17 @@ class RoutingCore:
         ok = [r for r in replicas if self.compatible(r)]
         pool = ok or list(replicas)
         ids = [r.replica_id for r in pool]
+        if (self.atomic is not None and isinstance(policy, PrefixAware) and block_hashes
+                and cacheable and ok):
+            try:
+                return await self._decide_atomic(request_id, prompt_tokens, block_hashes,
+                                                 pool, policy)
+            except IndexUnavailable as exc:
+                self._index_error(exc, "route")
+                return await self.decide(request_id, prompt_tokens, block_hashes, pool,
+                                         cacheable=False, policy=policy, _fallback=True)
         matched: dict[str, int] = {}
-        index_failed = False
+        index_failed = _fallback
         if policy.uses_index and block_hashes and cacheable and ok:
             try:
                 matched = await self.index.lookup(block_hashes, ids)
@@ -120,6 +135,26 @@ class RoutingCore:
             chosen_info = next(r for r in pool if r.replica_id == chosen)
             await self.record(chosen, block_hashes, self.predicted_ttl_s(chosen_info))
         return decision
+
+    async def _decide_atomic(self, request_id: str, prompt_tokens: int,
+                             block_hashes: Sequence[int], pool: Sequence[ReplicaInfo],
+                             policy: "PrefixAware") -> Decision:
+        """The prefix_aware decision as one Redis script: several routers are serialised,
+        so a burst does not pile onto one replica (``lua/route.lua``)."""
+        ids = [r.replica_id for r in pool]
+        chosen, matched = await self.atomic.route(
+            self.index.ns + ":", request_id, prompt_tokens, block_hashes, ids,
+            [self.predicted_ttl_s(r) for r in pool], block_size=self.hash_settings.block_size,
+            prefill_rate=self.fleet_prefill_rate(pool), work_weight=policy.work_weight,
+            decode_step_s_per_seq=self.settings.decode_step_s,
+            step_token_budget=policy.step_token_budget, tie_abs_s=policy.tie_abs_s,
+            tie_rel=policy.tie_rel, u=policy.rng.random())
+        self.index_available = True
+        bs = self.hash_settings.block_size
+        predicted = {r: cached_tokens(m, prompt_tokens, bs) for r, m in matched.items()}
+        rest = sorted((r for r in ids if r != chosen), key=lambda r: -predicted[r])
+        return Decision([chosen] + rest, "cache" if predicted[chosen] > 0 else "load",
+                        predicted)
 
     def predicted_ttl_s(self, replica: ReplicaInfo) -> float:
         """Short TTL while the replica's KV events flow (exact entries take over), the long

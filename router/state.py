@@ -38,9 +38,24 @@ def put(key: str, obj: Any) -> None:
         _objects[key] = obj
 
 
+def redis_connections(settings: Settings):
+    """The process's Redis connections for ``settings`` (one client per event loop)."""
+    from router.index.redis_index import RedisConnections
+
+    return shared(f"redis:{settings.redis_url}:{settings.redis_timeout_s}",
+                  lambda: RedisConnections(settings.redis_url, settings.redis_timeout_s))
+
+
 def make_load_tracker(settings: Settings):
-    """The load tracker for ``settings``: Redis-backed when a URL is set, else in-process
-    (one per process, shared by the ingress and the router)."""
+    """The load tracker for ``settings``, one per process (shared by the ingress and the
+    router): in Redis when ``redis_url`` is set (shared by every router), else in-process."""
+    if settings.redis_url:
+        from router.load_redis import RedisLoadTracker
+
+        return shared(f"load:{settings.redis_url}:{settings.index_namespace}",
+                      lambda: RedisLoadTracker(redis_connections(settings),
+                                               settings.index_namespace,
+                                               recent_half_life_s=settings.recent_window_s))
     from router.load import MemoryLoadTracker
 
     return shared(f"load:{settings.index_namespace}",
@@ -53,7 +68,7 @@ def make_index(settings: Settings):
         from router.index.redis_index import RedisPrefixIndex
 
         return RedisPrefixIndex(settings.redis_url, namespace=settings.index_namespace,
-                                timeout_s=settings.redis_timeout_s)
+                                connections=redis_connections(settings))
     from router.index.memory import MemoryPrefixIndex
 
     return shared(f"index:{settings.index_namespace}", MemoryPrefixIndex)

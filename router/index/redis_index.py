@@ -9,7 +9,8 @@ Key layout (``<ns>`` is ``Settings.index_namespace``; only hashes and counters, 
   exact / predicted entries for, so a replica can be purged without a scan.
 * ``<ns>:replicas``: replicas seen, for ``stats``.
 
-Every request costs one round trip (``lua/lookup.lua``). Each call is bounded by
+Every request costs one round trip (``lua/route.lua``: a lookup alone, or with the
+``RedisLoadTracker`` the whole atomic decision). Each call is bounded by
 ``timeout_s``; past it, or when Redis is down, ``IndexUnavailable`` is raised and routing
 decides by load. The asyncio client belongs to the event loop that created it, so one is
 made lazily per loop (the Ray router runs on its own loop, DESIGN.md decision 6).
@@ -88,7 +89,7 @@ class RedisPrefixIndex(PrefixIndex):
         self.ns = namespace
         self.clock = clock or SystemClock()
         self.conn = connections or RedisConnections(url, timeout_s)
-        self._lookup_src = load_lua("lookup")
+        self._lookup_src = load_lua("route")  # its "lookup" mode
         self._record_src = load_lua("record_predicted")
         self._events_src = load_lua("apply_events")
         self._scripts: dict[int, tuple] = {}
@@ -117,13 +118,16 @@ class RedisPrefixIndex(PrefixIndex):
             return {}
         if not block_hashes:
             return {r: 0 for r in replicas}
-        keys = [self._block_key(h) for h in block_hashes]
+        keys = [f"{self.ns}:load", f"{self.ns}:leases"] + [self._block_key(h)
+                                                             for h in block_hashes]
+        args = [self._now_ms(), "lookup", *([0] * 12), f"{self.ns}:", len(replicas),
+                *replicas, *([0] * len(replicas))]
 
         async def run(client):
-            return await self._s(client)[0](keys=keys, args=[self._now_ms(), *replicas])
+            return await self._s(client)[0](keys=keys, args=args)
 
         res = await self.conn.call(run)
-        return {r: int(n) for r, n in zip(replicas, res)}
+        return {r: int(n) for r, n in zip(replicas, res[1:])}
 
     async def record_predicted(self, replica: str, block_hashes: Sequence[BlockHash],
                                ttl_s: float) -> None:

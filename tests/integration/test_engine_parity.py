@@ -125,7 +125,8 @@ def test_multi_turn_history_hashes_match_and_extend_the_first_turn(engine, rende
             common += 1
         # The engine reuses exactly the blocks the router's hashes say are shared.
         assert engine_cached == min(common, (r.json()["usage"]["prompt_tokens"] - 1) // 32) * 32
-        assert set(ours) <= set(log.stored_hashes()) | set(prev)
+        wait_until(lambda: set(ours) <= set(log.stored_hashes()) | set(prev), 10,
+                   what="BlockStored events of this turn")
         prev = ours
         messages.append({"role": "assistant",
                          "content": r.json()["choices"][0]["message"]["content"]})

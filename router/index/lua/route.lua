@@ -1,0 +1,139 @@
+-- One routing decision in one round trip, atomically: prefix match per candidate, the
+-- candidates' shared load, the prefix_aware cost, the choice, the load reservation and the
+-- predicted entries. Several routers deciding at once are serialised by Redis, so a burst
+-- does not pile onto one replica. The cost is router/policies.py PrefixAware (the same
+-- formula; tests/test_route_lua.py checks that both choose alike).
+--
+-- KEYS[1]: load hash (<replica>:n in flight, :p queued prefill tokens, :r recent, :t time)
+-- KEYS[2]: lease hash (request id -> "replica|prefill|done|router")
+-- KEYS[3..]: block keys of the request, in prompt order
+-- ARGV: 1 now_ms, 2 mode ("lookup" | "route"), 3 request_id, 4 router_id,
+--       5 prompt_tokens, 6 block_size, 7 prefill_rate (tokens/s), 8 work_weight,
+--       9 decode_step_s_per_seq, 10 step_token_budget, 11 tie_abs_s, 12 tie_rel,
+--       13 recent_half_life_s, 14 u (uniform random in [0,1)), 15 key prefix,
+--       16 n_candidates, then n candidate ids, then per candidate its predicted TTL (ms)
+-- Returns: {chosen index (1-based, 0 in lookup mode), matched blocks per candidate...}
+local now = tonumber(ARGV[1])
+local mode = ARGV[2]
+local nc = tonumber(ARGV[16])
+local cands, ttls = {}, {}
+for j = 1, nc do
+  cands[j] = ARGV[16 + j]
+  ttls[j] = tonumber(ARGV[16 + nc + j])
+end
+local nblocks = #KEYS - 2
+
+-- 1. matched prefix per candidate (stop at the first block a candidate lacks)
+local alive, matched = {}, {}
+for j = 1, nc do alive[j] = true; matched[j] = nblocks end
+local left = nc
+for i = 1, nblocks do
+  if left == 0 then break end
+  local fields, idx = {}, {}
+  for j = 1, nc do
+    if alive[j] then
+      fields[#fields + 1] = cands[j]
+      fields[#fields + 1] = '~' .. cands[j]
+      idx[#idx + 1] = j
+    end
+  end
+  local vals = redis.call('HMGET', KEYS[i + 2], unpack(fields))
+  for k, j in ipairs(idx) do
+    local c = tonumber(vals[2 * k - 1])
+    local e = tonumber(vals[2 * k])
+    if not ((c and c > 0) or (e and e > now)) then
+      alive[j] = false; matched[j] = i - 1; left = left - 1
+    end
+  end
+end
+if mode == 'lookup' then
+  local out = {0}
+  for j = 1, nc do out[#out + 1] = matched[j] end
+  return out
+end
+
+-- 2. load and cost per candidate
+local P = tonumber(ARGV[5]); local bs = tonumber(ARGV[6]); local rate = tonumber(ARGV[7])
+local ww = tonumber(ARGV[8]); local dstep = tonumber(ARGV[9]); local budget = tonumber(ARGV[10])
+local tie_abs = tonumber(ARGV[11]); local tie_rel = tonumber(ARGV[12])
+local half = tonumber(ARGV[13]); local u = tonumber(ARGV[14]); local prefix = ARGV[15]
+local load = KEYS[1]; local leases = KEYS[2]
+local req = ARGV[3]
+
+-- an earlier reservation of this request (Serve may ask again) is released first
+local old = redis.call('HGET', leases, req)
+if old then
+  local r, p, done = string.match(old, '^(.-)|(%d+)|(%d)|')
+  redis.call('HINCRBY', load, r .. ':n', -1)
+  if done == '0' then redis.call('HINCRBY', load, r .. ':p', -tonumber(p)) end
+  redis.call('HDEL', leases, req)
+end
+
+local cost, cached, recent = {}, {}, {}
+local best = nil
+for j = 1, nc do
+  local r = cands[j]
+  local n = tonumber(redis.call('HGET', load, r .. ':n') or '0')
+  local q = tonumber(redis.call('HGET', load, r .. ':p') or '0')
+  local rc = tonumber(redis.call('HGET', load, r .. ':r') or '0')
+  local rt = tonumber(redis.call('HGET', load, r .. ':t') or tostring(now))
+  if now > rt then rc = rc * math.exp(-math.log(2) * (now - rt) / 1000 / half) end
+  recent[j] = rc
+  local hit = 0
+  if P > 0 then hit = math.min(matched[j], math.floor((P - 1) / bs)) * bs end
+  cached[j] = hit
+  local unc = math.max(P - hit, 1)
+  local work = math.max(q, 0) + unc
+  local steps = math.ceil(work / budget)
+  cost[j] = work / rate + steps * dstep * math.max(n, 0) + ww * unc / rate
+  if not best or cost[j] < best then best = cost[j] end
+end
+
+-- 3. near-ties: most cached, then fewest recent (within 0.5), then u over candidate order
+local bound = best + math.max(tie_abs, tie_rel * best)
+local most = -1
+for j = 1, nc do if cost[j] <= bound and cached[j] > most then most = cached[j] end end
+local least = nil
+for j = 1, nc do
+  if cost[j] <= bound and cached[j] == most and (not least or recent[j] < least) then
+    least = recent[j]
+  end
+end
+local finalists = {}
+for j = 1, nc do
+  if cost[j] <= bound and cached[j] == most and recent[j] <= least + 0.5 then
+    finalists[#finalists + 1] = j
+  end
+end
+local pick = finalists[math.floor(u * #finalists) + 1]
+local chosen = cands[pick]
+
+-- 4. reserve
+local unc = math.max(P - cached[pick], 0)
+redis.call('HINCRBY', load, chosen .. ':n', 1)
+redis.call('HINCRBY', load, chosen .. ':p', unc)
+redis.call('HSET', load, chosen .. ':r', tostring(recent[pick] + 1), chosen .. ':t', now)
+redis.call('HSET', leases, req, chosen .. '|' .. unc .. '|0|' .. ARGV[4])
+
+-- 5. predicted entries for the chosen replica (as record_predicted.lua)
+local expiry = now + ttls[pick]
+local field = '~' .. chosen
+local pset = prefix .. 'r:' .. chosen .. ':p'
+for i = 1, nblocks do
+  local key = KEYS[i + 2]
+  local ttl = redis.call('PTTL', key)
+  local o = tonumber(redis.call('HGET', key, field))
+  if not o or o < expiry then redis.call('HSET', key, field, expiry) end
+  if ttl == -2 then redis.call('PEXPIREAT', key, expiry)
+  elseif ttl ~= -1 then redis.call('PEXPIREAT', key, expiry, 'GT') end
+  redis.call('SADD', pset, string.sub(key, #prefix + 3))
+end
+if nblocks > 0 then
+  redis.call('PEXPIREAT', pset, expiry, 'GT')
+  if redis.call('PTTL', pset) == -1 then redis.call('PEXPIREAT', pset, expiry) end
+  redis.call('SADD', prefix .. 'replicas', chosen)
+end
+
+local out = {pick}
+for j = 1, nc do out[#out + 1] = matched[j] end
+return out

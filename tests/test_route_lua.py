@@ -1,0 +1,150 @@
+"""The atomic Redis decision (lua/route.lua) and load leases (lua/lease.lua), on the real
+Redis and fakeredis: same choices as the Python policy, idempotent leases, dead routers'
+leases swept, several routers serialised."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import uuid
+
+import pytest
+
+from router.clock import ManualClock
+from router.config import Settings
+from router.index.base import KVEvent
+from router.index.redis_index import RedisConnections, RedisPrefixIndex
+from router.load import ReplicaLoad
+from router.load_redis import RedisLoadTracker
+from router.policies import Candidate, PrefixAware, RouteRequest
+from router.routing import ReplicaInfo, RoutingCore
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+BS = 32
+
+
+@pytest.fixture(params=["redis", "fakeredis"])
+async def redis_pair(request):
+    import time
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    conn = RedisConnections(REDIS_URL, 2.0)
+    if request.param == "fakeredis":
+        import fakeredis
+        fake = fakeredis.FakeAsyncRedis()
+        conn.client = lambda: fake
+    clock = ManualClock(time.time())
+    index = RedisPrefixIndex(REDIS_URL, ns, clock=clock, connections=conn)
+    load = RedisLoadTracker(conn, ns, clock=clock)
+    yield index, load, clock
+    await load.close()
+    await index.flush()
+
+
+def route_kwargs(policy: PrefixAware, u: float, rate=20000.0):
+    return dict(block_size=BS, prefill_rate=rate, work_weight=policy.work_weight,
+                decode_step_s_per_seq=0.005, step_token_budget=policy.step_token_budget,
+                tie_abs_s=policy.tie_abs_s, tie_rel=policy.tie_rel, u=u)
+
+
+async def test_lua_route_chooses_as_the_python_policy(redis_pair):
+    index, load, clock = redis_pair
+    rng = random.Random(7)
+    replicas = ["r0", "r1", "r2", "r3"]
+    for trial in range(40):
+        # a random state: cached prefixes and loads
+        prefix = [trial * 1000 + i for i in range(rng.randrange(1, 60))]
+        for r in replicas:
+            k = rng.randrange(0, len(prefix) + 1)
+            if k:
+                await index.apply_events(r, [KVEvent("stored", prefix[:k], None)])
+            for i in range(rng.randrange(0, 4)):
+                await load.reserve(f"bg{trial}-{r}-{i}", r, rng.randrange(0, 3000))
+        prompt = len(prefix) * BS + rng.randrange(0, 40)
+        u = rng.random()
+        policy = PrefixAware(random.Random())
+        loads = await load.loads(replicas)
+        matched = await index.lookup(prefix, replicas)
+        cands = [Candidate(r, matched[r], loads[r], 20000.0, 0.005) for r in replicas]
+        policy.rng = random.Random()
+        policy.rng.random = lambda: u
+        expected = policy.choose(RouteRequest(prompt, BS, len(prefix)), cands).replica
+        chosen, lua_matched = await load.route(f"{index.ns}:", f"req{trial}", prompt, prefix,
+                                               replicas, [15.0] * 4, **route_kwargs(policy, u))
+        assert lua_matched == matched
+        assert chosen == expected, (trial, matched, loads)
+        await load.release(f"req{trial}")
+
+
+async def test_route_reserves_once_and_writes_predicted_entries(redis_pair):
+    index, load, clock = redis_pair
+    p = PrefixAware()
+    hashes = [1, 2, 3]
+    chosen, _ = await load.route(f"{index.ns}:", "q", 100, hashes, ["a", "b"], [15.0, 15.0],
+                                 **route_kwargs(p, 0.0))
+    again, _ = await load.route(f"{index.ns}:", "q", 100, hashes, ["a", "b"], [15.0, 15.0],
+                                **route_kwargs(p, 0.0))  # Serve asked twice
+    loads = await load.loads(["a", "b"])
+    assert sum(v.inflight for v in loads.values()) == 1
+    assert (await index.lookup(hashes, [again]))[again] == 3
+    await load.prefill_done("q")
+    assert (await load.loads([again]))[again].prefill_tokens == 0
+    await load.release("q")
+    await load.release("q")  # idempotent
+    loads = await load.loads(["a", "b"])
+    assert all(v.inflight == 0 and v.prefill_tokens == 0 for v in loads.values())
+
+
+async def test_leases_of_a_dead_router_are_swept(redis_pair):
+    index, load, clock = redis_pair
+    other = RedisLoadTracker(load.conn, load.ns, clock=clock)  # a second router process
+    await other.reserve("x1", "a", 500)
+    await other.reserve("x2", "a", 500)
+    await load.reserve("mine", "a", 100)
+    await asyncio.sleep(0.1)  # both heartbeats written
+    assert await load.sweep() == 0
+    assert (await load.loads(["a"]))["a"].inflight == 3
+    await other.close()  # the other router process dies: its heartbeat expires
+    await load.conn.call(lambda c: c.delete(f"{load.ns}:router:{other.router_id}"))
+    assert await load.sweep() == 2
+    assert (await load.loads(["a"]))["a"] == ReplicaLoad(1, 100, (await load.loads(["a"]))["a"].recent)
+
+
+async def test_several_routers_do_not_all_pick_the_same_replica_for_a_burst(redis_pair):
+    """FAULTS.md 1.7 / 12.3: three routers deciding at once see each other's reservations."""
+    index, load, clock = redis_pair
+    routers = [load] + [RedisLoadTracker(load.conn, load.ns, clock=clock) for _ in range(2)]
+    replicas = [f"r{i}" for i in range(4)]
+
+    async def burst(k: int, tracker: RedisLoadTracker):
+        out = []
+        for i in range(8):
+            chosen, _ = await tracker.route(
+                f"{index.ns}:", f"b{k}-{i}", 1000, [10_000 * k + 100 * i + j for j in range(31)],
+                replicas, [15.0] * 4, **route_kwargs(PrefixAware(), random.random()))
+            out.append(chosen)
+        return out
+
+    picks = sum(await asyncio.gather(*(burst(k, t) for k, t in enumerate(routers))), [])
+    counts = {r: picks.count(r) for r in replicas}
+    assert max(counts.values()) <= 7, counts  # 24 cold requests over 4 replicas: ~6 each
+    loads = await load.loads(replicas)
+    assert sum(v.inflight for v in loads.values()) == 24
+
+
+async def test_routing_core_uses_the_atomic_path_and_falls_back_when_redis_fails():
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    settings = Settings(redis_url=REDIS_URL, index_namespace=ns)
+    conn = RedisConnections(REDIS_URL, 0.5)
+    core = RoutingCore(settings, RedisPrefixIndex(REDIS_URL, ns, connections=conn),
+                       RedisLoadTracker(conn, ns), PrefixAware(random.Random(0)))
+    assert core.atomic is not None
+    reps = [ReplicaInfo("a", {}, {}), ReplicaInfo("b", {}, {})]
+    d1 = await core.decide("r1", 1400, list(range(40)), reps)
+    d2 = await core.decide("r2", 1400, list(range(40)) + [99], reps)
+    assert d2.replica == d1.replica and d2.reason == "cache"
+    dead = RedisConnections("redis://127.0.0.1:1/0", 0.1)
+    down = RoutingCore(settings, RedisPrefixIndex(REDIS_URL, ns, connections=dead),
+                       RedisLoadTracker(dead, ns), PrefixAware(random.Random(0)))
+    d3 = await down.decide("r3", 1400, list(range(40)), reps)
+    assert d3.reason == "fallback" and not down.index_available
+    await core.index.flush()
