@@ -172,6 +172,7 @@ class EngineReplica:
             snap = parse_engine_metrics(r.text)
         except Exception as exc:
             self.stats["scrape_error"] = type(exc).__name__
+            self.stats["engine_alive"] = self.engine.alive()
             return
         self.stats = {"prefill_tokens_per_s": self.rate.update(snap),
                       "prefill_rate_measured": self.rate.measured,
@@ -180,6 +181,7 @@ class EngineReplica:
                       "kv_event_gaps": self.feed.subscriber.gaps,
                       "kv_event_lag_s": self.feed.health.lag_s(),
                       "index_dirty": self.feed.dirty,
+                      "engine_pid": self.engine.proc.pid if self.engine.proc else None,
                       "running": snap.running, "waiting": snap.waiting,
                       "kv_usage_frac": snap.kv_usage_frac, "engine_alive": self.engine.alive(),
                       "restarts": self.restarts}

@@ -113,11 +113,18 @@ class Ingress:
     async def replicas(self) -> Response:
         """The engine replicas the router sees, with what each advertises (endpoints, hash
         settings) and its hash compatibility with this router."""
-        known = state.peek("replicas") or {}
+        rr = state.peek("request_router")
+        running = list(rr.curr_replicas.values()) if rr is not None else []
         hs = self.settings.hash_settings
-        return JSONResponse({"replicas": [
-            {"replica_id": rid, "metadata": md, "hash_mismatch": hs.mismatches(md)
-             if "hash_algo" in md else []} for rid, md in sorted(known.items())]})
+        health = state.replica_health()
+        out = []
+        for r in sorted(running, key=lambda r: r.replica_id.unique_id):
+            md = dict(r.replica_metadata or {})
+            out.append({"replica_id": r.replica_id.unique_id, "metadata": md,
+                        "routing_stats": dict(r.routing_stats or {}),
+                        "circuit_open": health.is_open(r.replica_id.unique_id),
+                        "hash_mismatch": hs.mismatches(md) if "hash_algo" in md else []})
+        return JSONResponse({"replicas": out})
 
     @fastapi_app.get("/metrics")
     async def metrics_text(self) -> Response:

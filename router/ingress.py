@@ -154,6 +154,7 @@ class IngressCore:
         self.renderer = PromptRenderer(settings.tokenizer or settings.model)
         self.hasher = BlockHasher(settings.hash_settings)
         self.load = state.make_load_tracker(settings)
+        self.health = state.replica_health()
         self.policy_name = settings.policy
         self.inflight: dict[str, int] = {}  # this process's own dispatches, per replica
 
@@ -237,6 +238,7 @@ class IngressCore:
                 if attempt == 1:
                     metrics.get("overhead").observe(time.perf_counter() - t_arrival,
                                                     tags={"policy": self.policy_name})
+                self.health.record(dispatch.replica, not head.retryable)
                 if head.retryable and attempt == 1:
                     logger.warning("replica %s failed before the first byte (%s %s); retrying "
                                    "on another replica", dispatch.replica, head.status,
@@ -271,6 +273,8 @@ class IngressCore:
                 if dispatch.started_body:
                     raise
                 replica = dispatch.replica
+                if replica:
+                    self.health.record(replica, False)
                 if attempt == 1:
                     logger.warning("dispatch to replica %s failed before the first byte (%s); "
                                    "retrying on another replica", replica, exc)

@@ -54,7 +54,8 @@ class PrefixCacheRequestRouter(RequestRouter):
                 state.make_load_tracker(self.settings), self.policy,
                 on_index_error=lambda exc, op: (
                     metrics.inc("index_errors", tags={"op": op}),
-                    metrics.get("index_available").set(0)))
+                    metrics.get("index_available").set(0)),
+                health=state.replica_health())
         return self._core
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
@@ -127,8 +128,7 @@ class PrefixCacheRequestRouter(RequestRouter):
         super().update_replicas(replicas)
         ids = {r.replica_id.unique_id for r in replicas}
         state.put("replica_count", len(ids))
-        state.put("replicas", {r.replica_id.unique_id: dict(r.replica_metadata or {})
-                               for r in replicas})
+        state.put("request_router", self)
         gone = self._known - ids
         self._known = ids
         try:

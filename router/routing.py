@@ -44,11 +44,13 @@ class RoutingCore:
         load: the load tracker.
         policy: the routing policy.
         on_index_error: called with the exception when the index fails (metrics hook).
+        health: circuit breakers (``router.health.ReplicaHealth``) or None.
     """
 
     def __init__(self, settings: Settings, index: PrefixIndex, load: LoadTracker,
-                 policy: Policy, on_index_error=None):
+                 policy: Policy, on_index_error=None, health=None):
         self.settings = settings
+        self.health = health
         self.hash_settings: HashSettings = settings.hash_settings
         self.index = index
         self.load = load
@@ -61,6 +63,12 @@ class RoutingCore:
         self.atomic = load if (isinstance(load, RedisLoadTracker)
                                and isinstance(index, RedisPrefixIndex)) else None
         self._mismatch_logged: set[str] = set()
+
+    def usable(self, replica: ReplicaInfo) -> bool:
+        """Not known dead (its engine reported down, or its circuit is open)."""
+        if replica.stats.get("engine_alive") is False:
+            return False
+        return self.health is None or self.health.available(replica.replica_id)
 
     def compatible(self, replica: ReplicaInfo) -> bool:
         """Whether the replica's engine hashes blocks as the router does.
@@ -94,8 +102,9 @@ class RoutingCore:
             The policy's ``Decision``; ``reason`` is ``fallback`` when the index failed.
         """
         policy = policy or self.policy
-        ok = [r for r in replicas if self.compatible(r)]
-        pool = ok or list(replicas)
+        usable = [r for r in replicas if self.usable(r)] or list(replicas)
+        ok = [r for r in usable if self.compatible(r)]
+        pool = ok or usable
         ids = [r.replica_id for r in pool]
         if (self.atomic is not None and isinstance(policy, PrefixAware) and block_hashes
                 and cacheable and ok):
@@ -202,6 +211,8 @@ class RoutingCore:
         except IndexUnavailable as exc:
             self._index_error(exc, "remove_replica")
         await self.load.remove_replica(replica)
+        if self.health is not None:
+            self.health.forget(replica)
 
     def _index_error(self, exc: Exception, op: str) -> None:
         if self.index_available:

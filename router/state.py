@@ -72,3 +72,10 @@ def make_index(settings: Settings):
     from router.index.memory import MemoryPrefixIndex
 
     return shared(f"index:{settings.index_namespace}", MemoryPrefixIndex)
+
+
+def replica_health():
+    """The process's circuit breakers (``router.health.ReplicaHealth``)."""
+    from router.health import ReplicaHealth
+
+    return shared("replica_health", ReplicaHealth)
