@@ -119,11 +119,14 @@ class EngineReplica:
     # --- request path ------------------------------------------------------------------
     async def generate(self, req: RoutedRequest) -> AsyncIterator[Any]:
         """Yield a ``ReplicaHead``, then the engine's response body as raw byte chunks."""
+        started = time.time()
+        bs = self.settings.block_size
+        expects = len(req.block_hashes) > req.predicted_cached_tokens.get(self.replica_id, 0) // bs
         try:
             async for item in self._generate(req):
                 yield item
         finally:
-            self.feed.health.on_request_done(bool(req.block_hashes), time.time())
+            self.feed.health.on_request_done(expects, started, time.time())
 
     async def _generate(self, req: RoutedRequest) -> AsyncIterator[Any]:
         predicted = req.predicted_cached_tokens.get(self.replica_id, 0)
@@ -232,7 +235,7 @@ class EngineReplica:
                              "entries for it with the long TTL", self.replica_id,
                              self.settings.kv_events_grace_s)
             silent_logged = not live
-            if self.engine.alive() or self.failed:
+            if not self.engine.exited() or self.failed:
                 continue
             logger.error("engine of replica %s exited (code %s); log tail:\n%s",
                          self.replica_id, self.engine.proc.returncode if self.engine.proc

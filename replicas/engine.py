@@ -107,6 +107,7 @@ class EngineProcess:
         self.log_path = Path(log_dir or tempfile.gettempdir()) / f"engine-{ports.http}.log"
         self.proc: asyncio.subprocess.Process | None = None
         self.started_at: float | None = None
+        self._healthy = False
 
     @property
     def url(self) -> str:
@@ -182,6 +183,7 @@ class EngineProcess:
             start_new_session=True, preexec_fn=_die_with_parent)
         log.close()
         self.started_at = time.time()
+        self._healthy = False
         deadline = time.monotonic() + self.settings.engine_start_timeout_s
         async with httpx.AsyncClient(timeout=2.0) as client:
             while time.monotonic() < deadline:
@@ -192,6 +194,7 @@ class EngineProcess:
                 try:
                     r = await client.get(self.url + "/health")
                     if r.status_code == 200:
+                        self._healthy = True
                         logger.info("engine healthy on %s after %.1f s", self.url,
                                     time.time() - self.started_at)
                         return
@@ -203,7 +206,12 @@ class EngineProcess:
                                f" s:\n{self.log_tail()}")
 
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.returncode is None
+        """The process runs and has answered its health check since it was started."""
+        return self.proc is not None and self.proc.returncode is None and self._healthy
+
+    def exited(self) -> bool:
+        """The process was started and has exited."""
+        return self.proc is not None and self.proc.returncode is not None
 
     async def stop(self, grace_s: float = 10.0) -> None:
         """Terminate the engine's process group (the API server and its engine core)."""

@@ -344,8 +344,14 @@ class _Dispatch:
         if self.closed:
             return
         self.closed = True
+        self.req.closed = True  # before the release: see RoutedRequest.closed
         if self.gen is not None and not self.exhausted:
             self.gen.cancel()
+        # Shielded: a second cancellation of a request that is already going away must not
+        # stop the release half-way (the reservation would outlive the request).
+        await asyncio.shield(asyncio.ensure_future(self._close()))
+
+    async def _close(self) -> None:
         await self.core.load.release(self.req.request_id)
         if self.replica:
             metrics.inc("completed", tags={"replica": self.replica})

@@ -12,9 +12,9 @@ slow) the feed keeps consuming, marks itself dirty, and once the index answers a
 rewrites the replica's entries from the record; it also notices a flushed index (the
 replica's entries vanished while the engine still holds blocks) and rewrites them.
 
-``FeedHealth`` tells whether the engine publishes events at all: if requests with at least
-one full block completed on the replica and no batch arrived after them within
-``grace_s``, the feed is silent (an engine without ``--kv-events-config``, a wrong endpoint:
+``FeedHealth`` tells whether the engine publishes events at all: if a request that must have
+stored a new block (a full prompt block not predicted cached there) completed with no batch
+since it started, and none arrives within ``grace_s``, the feed is silent (an engine without ``--kv-events-config``, a wrong endpoint:
 FAULTS.md 8.2). The replica reports it, and the router then keeps predicted entries for that
 replica with the long TTL (approximate mode) instead of dropping to 0 % hits.
 """
@@ -49,9 +49,15 @@ class FeedHealth:
         self.last_batch_engine_ts = engine_ts
         self.oldest_unconfirmed_request_at = None
 
-    def on_request_done(self, cacheable: bool, now: float) -> None:
-        """A request finished on the engine; ``cacheable``: it had a full prompt block."""
-        if cacheable and self.oldest_unconfirmed_request_at is None:
+    def on_request_done(self, expects_events: bool, started_at: float, now: float) -> None:
+        """A request finished on the engine. ``expects_events``: it had a full prompt block
+        not predicted to be cached there, so the engine stored a block (a fully cached
+        prompt publishes nothing). A batch since the request started confirms the feed."""
+        if not expects_events:
+            return
+        if self.last_batch_at is not None and self.last_batch_at >= started_at:
+            return
+        if self.oldest_unconfirmed_request_at is None:
             self.oldest_unconfirmed_request_at = now
 
     def live(self, now: float) -> bool:

@@ -113,6 +113,11 @@ def inc(name: str, value: float = 1.0, tags: dict[str, str] | None = None) -> No
         get(name).inc(value, tags=tags)
 
 
+# Gauges that are each router's view of the whole fleet: summing them over router
+# processes would count one replica once per router, so they aggregate otherwise.
+_FLEET_VIEW_GAUGES = {"router_replicas_without_kv_events": max, "router_index_entries": max,
+                      "router_replica_hash_mismatch": max, "router_index_available": min}
+
 # Labels Ray's exporter adds per process; dropping them sums a series over processes.
 _PROCESS_LABELS = {"WorkerId", "Component", "SessionName", "Version", "NodeAddress", "JobId",
                    "otel_scope_name", "otel_scope_schema_url", "otel_scope_version"}
@@ -127,7 +132,8 @@ def aggregate_ray_export(texts: list[str], prefix: str = "ray_router_") -> str:
             is removed from the names (``router_decision_total``...).
     Returns:
         One sample per (name, labels without process labels): counters, histogram buckets
-        and gauges (in-flight counts) summed across every router and replica process.
+        and per-process gauges (in-flight counts) summed across every router and replica
+        process; fleet-view gauges (``_FLEET_VIEW_GAUGES``) take the max or min instead.
     """
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -143,7 +149,11 @@ def aggregate_ray_export(texts: list[str], prefix: str = "ray_router_") -> str:
                 labels = tuple(sorted((k, v) for k, v in s.labels.items()
                                       if k not in _PROCESS_LABELS))
                 key = (name, s.name[len("ray_"):], labels)
-                sums[key] = sums.get(key, 0.0) + s.value
+                agg = _FLEET_VIEW_GAUGES.get(name)
+                if key not in sums:
+                    sums[key] = s.value
+                else:
+                    sums[key] = agg(sums[key], s.value) if agg else sums[key] + s.value
     out: list[str] = []
     for fam_name, (kind, doc) in sorted(kinds.items()):
         out.append(f"# HELP {fam_name} {doc}")

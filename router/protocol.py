@@ -30,6 +30,9 @@ class RoutedRequest:
         predicted_cached_tokens: set by the router: per candidate replica, the cached tokens
             the index predicts (the replica that serves the request reports its own).
         routing_reason: set by the router: ``cache``, ``load`` or ``fallback``.
+        closed: set by the ingress when the request is over (answered, failed, client gone)
+            before it releases the load reservation; the router releases a reservation it
+            makes after that moment itself, so none can outlive the request.
         policy: a policy name that overrides the configured one for this request (only
             when ``Settings.allow_policy_override``; benchmarks compare policies this way
             on the same replicas).
@@ -46,6 +49,7 @@ class RoutedRequest:
     predicted_cached_tokens: dict[str, int] = field(default_factory=dict)
     routing_reason: str = ""
     policy: str | None = None
+    closed: bool = False
 
 
 @dataclass

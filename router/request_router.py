@@ -87,8 +87,14 @@ class PrefixCacheRequestRouter(RequestRouter):
         metrics.get("replicas_without_kv_events").set(
             sum(1 for i in infos if i.stats.get("kv_events_live") is False))
         policy = self._policy_for(req)
-        decision = await core.decide(req.request_id, req.prompt_tokens, req.block_hashes, infos,
-                                     cacheable=bool(req.block_hashes), policy=policy)
+        try:
+            decision = await core.decide(req.request_id, req.prompt_tokens, req.block_hashes,
+                                         infos, cacheable=bool(req.block_hashes), policy=policy)
+        except BaseException:  # cancelled mid-decision: a reservation may exist; drop it
+            asyncio.get_running_loop().create_task(core.load.release(req.request_id))
+            raise
+        if req.closed:  # the ingress is done with it already (client gone)
+            await core.load.release(req.request_id)
         if decision.reason != "fallback":
             metrics.get("index_available").set(1)
         req.routed_replica = decision.replica

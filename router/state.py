@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 from router.config import Settings
 
-_lock = threading.Lock()
+_lock = threading.RLock()  # factories may call shared() again
 _objects: dict[str, Any] = {}
 
 

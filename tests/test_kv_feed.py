@@ -127,14 +127,17 @@ async def test_engine_restart_clears_the_replicas_entries(tmp_path):
     await feed.stop()
 
 
-def test_feed_health_reports_silence_after_cacheable_requests_only():
+def test_feed_health_reports_silence_only_after_requests_that_stored_blocks():
     h = FeedHealth(grace_s=5.0)
-    h.on_request_done(cacheable=False, now=100.0)
+    h.on_request_done(expects_events=False, started_at=99.0, now=100.0)
     assert h.live(200.0)
-    h.on_request_done(cacheable=True, now=100.0)
-    assert h.live(104.0) and not h.live(106.0)
-    h.on_batch(engine_ts=105.9, now=106.0)
+    h.on_batch(engine_ts=99.4, now=99.5)  # published while the next request ran
+    h.on_request_done(expects_events=True, started_at=99.0, now=100.0)
     assert h.live(200.0)
+    h.on_request_done(expects_events=True, started_at=150.0, now=151.0)
+    assert h.live(155.0) and not h.live(157.0)
+    h.on_batch(engine_ts=157.9, now=158.0)
+    assert h.live(300.0)
 
 
 @pytest.fixture

@@ -1,0 +1,189 @@
+"""Benchmarks of the Redis index: lookup time, event ingestion rate, router overhead.
+
+* Lookup: one ``lua/route.lua`` round trip (lookup mode) on the real Redis, p50/p99 over
+  repeated requests, for prompts of 1k-128k tokens (block size 32) and 2-64 replicas. The
+  index holds, per replica, a prefix of the request of a different length (a realistic
+  spread of partial hits), and the request's full prefix is held by one replica (the walk
+  goes to the end for it). Also the full atomic decision (``route`` mode: match, score,
+  choose, reserve, write predicted entries).
+* Ingestion: ``BlockStored`` events written by ``EventFeed``'s batched path
+  (``RedisPrefixIndex.apply_events``), blocks per second.
+* Router overhead, arrival to dispatch, without the network: validate + render + tokenize +
+  hash (``IngressCore.prepare``) + the atomic decision, for an 8k-token chat request.
+
+    python -m loadtest.index_bench            # writes docs/benchmarks.md sections
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+import uuid
+
+from loadtest.multiturn import RESULTS, write_benchmark_doc
+from router.index.base import KVEvent
+from router.index.redis_index import RedisConnections, RedisPrefixIndex
+from router.load_redis import RedisLoadTracker
+
+BS = 32
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(int(p * len(xs)), len(xs) - 1)]
+
+
+async def bench_lookup(url: str, tokens: int, n_replicas: int, iters: int) -> dict:
+    ns = f"bench-{uuid.uuid4().hex[:6]}"
+    conn = RedisConnections(url, 5.0)
+    index = RedisPrefixIndex(url, ns, connections=conn)
+    load = RedisLoadTracker(conn, ns)
+    rng = random.Random(tokens * 100 + n_replicas)
+    n_blocks = tokens // BS
+    hashes = [rng.getrandbits(63) for _ in range(n_blocks)]
+    replicas = [f"replica-{i:02d}" for i in range(n_replicas)]
+    for i, r in enumerate(replicas):
+        k = n_blocks if i == 0 else rng.randrange(0, n_blocks)
+        if k:
+            await index.apply_events(r, [KVEvent("stored", hashes[:k], None)])
+    lookup_s, route_s = [], []
+    for it in range(iters):
+        t0 = time.perf_counter()
+        await index.lookup(hashes, replicas)
+        lookup_s.append(time.perf_counter() - t0)
+    for it in range(iters):
+        t0 = time.perf_counter()
+        await load.route(f"{ns}:", f"q{it}", tokens, hashes, replicas, [15.0] * n_replicas,
+                         block_size=BS, prefill_rate=20000.0, work_weight=1.0,
+                         decode_step_s_per_seq=3e-5, step_token_budget=8192, tie_abs_s=0.002,
+                         tie_rel=0.05, u=rng.random())
+        route_s.append(time.perf_counter() - t0)
+        await load.release(f"q{it}")
+    await load.close()
+    await index.flush()
+    await conn.close()
+    return {"tokens": tokens, "replicas": n_replicas, "iters": iters,
+            "lookup_p50_ms": pct(lookup_s, 0.5) * 1e3, "lookup_p99_ms": pct(lookup_s, 0.99) * 1e3,
+            "route_p50_ms": pct(route_s, 0.5) * 1e3, "route_p99_ms": pct(route_s, 0.99) * 1e3}
+
+
+async def bench_ingestion(url: str, blocks: int = 200_000, per_event: int = 16,
+                          per_write: int = 2000) -> dict:
+    ns = f"bench-{uuid.uuid4().hex[:6]}"
+    index = RedisPrefixIndex(url, ns, timeout_s=30.0)
+    rng = random.Random(1)
+    events = [KVEvent("stored", [rng.getrandbits(63) for _ in range(per_event)],
+                      rng.getrandbits(63)) for _ in range(blocks // per_event)]
+    t0 = time.perf_counter()
+    batch: list[KVEvent] = []
+    n = 0
+    for ev in events:
+        batch.append(ev)
+        n += len(ev.block_hashes)
+        if n >= per_write:
+            await index.apply_events("replica-00", batch)
+            batch, n = [], 0
+    if batch:
+        await index.apply_events("replica-00", batch)
+    dt = time.perf_counter() - t0
+    await index.flush()
+    await index.close()
+    return {"blocks": blocks, "blocks_per_event": per_event, "blocks_per_write": per_write,
+            "seconds": dt, "blocks_per_s": blocks / dt}
+
+
+async def bench_overhead(url: str, tokens: int, iters: int) -> dict:
+    from router.config import Settings
+    from router.ingress import IngressCore
+    from router.policies import PrefixAware
+    from router.prompts import CHAT_PATH
+    from router.routing import ReplicaInfo, RoutingCore
+    from tests.conftest import MODEL_DIR, make_text
+
+    from deploy.make_model import ensure_model
+    ensure_model(MODEL_DIR)
+    ns = f"bench-{uuid.uuid4().hex[:6]}"
+    settings = Settings(model=str(MODEL_DIR), redis_url=url, index_namespace=ns,
+                        redis_timeout_s=1.0)
+    ingress = IngressCore(settings, engine_handle=None)
+    conn = RedisConnections(url, 1.0)
+    core = RoutingCore(settings, RedisPrefixIndex(url, ns, connections=conn),
+                       RedisLoadTracker(conn, ns), PrefixAware(random.Random(0)))
+    replicas = [ReplicaInfo(f"replica-{i}", {}, {}) for i in range(8)]
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(MODEL_DIR))
+    system = make_text(tokens, "overhead", tok)
+    prepare_s, decide_s, total_s = [], [], []
+    for i in range(iters):
+        body = json.dumps({"model": "tiny-qwen2", "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": f"question {i}"}]}).encode()
+        t0 = time.perf_counter()
+        req = await ingress.prepare(CHAT_PATH, body)
+        t1 = time.perf_counter()
+        await core.decide(req.request_id, req.prompt_tokens, req.block_hashes, replicas)
+        t2 = time.perf_counter()
+        await core.load.release(req.request_id)
+        prepare_s.append(t1 - t0)
+        decide_s.append(t2 - t1)
+        total_s.append(t2 - t0)
+    await core.index.flush()
+    return {"tokens": tokens, "replicas": 8, "iters": iters,
+            "prepare_p50_ms": pct(prepare_s, 0.5) * 1e3, "prepare_p99_ms": pct(prepare_s, 0.99) * 1e3,
+            "decide_p50_ms": pct(decide_s, 0.5) * 1e3, "decide_p99_ms": pct(decide_s, 0.99) * 1e3,
+            "total_p50_ms": pct(total_s, 0.5) * 1e3, "total_p99_ms": pct(total_s, 0.99) * 1e3}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--no-doc", action="store_true")
+    a = ap.parse_args(argv)
+    rows = []
+    for tokens in (1024, 8192, 32768, 131072):
+        for n in (2, 8, 32, 64):
+            iters = a.iters if tokens <= 8192 else max(a.iters // 5, 30)
+            row = asyncio.run(bench_lookup(a.redis_url, tokens, n, iters))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    ingest = asyncio.run(bench_ingestion(a.redis_url))
+    print(json.dumps(ingest), flush=True)
+    overhead = [asyncio.run(bench_overhead(a.redis_url, t, 50 if t > 8192 else 200))
+                for t in (1024, 8192, 32768)]
+    for o in overhead:
+        print(json.dumps(o), flush=True)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"index-bench-{int(time.time())}.json").write_text(
+        json.dumps({"lookup": rows, "ingestion": ingest, "overhead": overhead}, indent=1))
+    table = ["| prompt tokens | replicas | lookup p50 (ms) | lookup p99 (ms) | atomic route p50 "
+             "(ms) | atomic route p99 (ms) |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        table.append(f"| {r['tokens']} | {r['replicas']} | {r['lookup_p50_ms']:.3f} | "
+                     f"{r['lookup_p99_ms']:.3f} | {r['route_p50_ms']:.3f} | "
+                     f"{r['route_p99_ms']:.3f} |")
+    ov = ["| prompt tokens | validate+render+tokenize+hash p50 / p99 (ms) | decision p50 / p99 "
+          "(ms) | arrival to dispatch p50 / p99 (ms) |", "|---|---|---|---|"]
+    for o in overhead:
+        ov.append(f"| {o['tokens']} | {o['prepare_p50_ms']:.2f} / {o['prepare_p99_ms']:.2f} | "
+                  f"{o['decide_p50_ms']:.2f} / {o['decide_p99_ms']:.2f} | "
+                  f"{o['total_p50_ms']:.2f} / {o['total_p99_ms']:.2f} |")
+    text = ("\n".join(table) + f"\n\nEvent ingestion into Redis (batched `apply_events`, "
+            f"{ingest['blocks_per_event']} blocks per BlockStored, {ingest['blocks_per_write']} "
+            f"per write): **{ingest['blocks_per_s']:,.0f} blocks/s** "
+            f"({ingest['blocks']} blocks in {ingest['seconds']:.2f} s).\n\n"
+            "Router overhead in one process (no HTTP, no Ray hop), 8 replicas, atomic "
+            "decision on the real Redis:\n\n" + "\n".join(ov))
+    print(text)
+    if not a.no_doc:
+        write_benchmark_doc("Redis index: lookup, ingestion, router overhead",
+                            "python -m loadtest.index_bench " + " ".join(argv or []), text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

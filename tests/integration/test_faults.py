@@ -1,0 +1,389 @@
+"""Faults at exact moments, through Ray Serve and the router, with the project's simulated
+engine (it speaks vLLM's HTTP API and KV events and fails on command), 3 ingress replicas and
+a Redis server of the test's own (FAULTS.md sections 1, 2, 5, 6, 7, 8, 12).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import httpx
+import pytest
+import redis
+
+from tests.conftest import free_port, make_text, run_app, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+class OwnRedis:
+    """A redis-server on a free port, started and stopped by the tests (never the shared one)."""
+
+    def __init__(self, tmpdir):
+        self.port = free_port()
+        self.dir = tmpdir
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = None
+        self.start()
+
+    def start(self):
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.dir)], stdout=subprocess.DEVNULL)
+        wait_until(lambda: self._ping(), 10, 0.1, "redis-server to start")
+
+    def _ping(self):
+        try:
+            return redis.Redis(port=self.port, socket_timeout=0.5).ping()
+        except redis.RedisError:
+            return False
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(10)
+
+    def client(self):
+        return redis.Redis(port=self.port, socket_timeout=2)
+
+
+@pytest.fixture(scope="module")
+def own_redis(tmp_path_factory):
+    r = OwnRedis(tmp_path_factory.mktemp("redis"))
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def faults_app(serve_http_port, model_dir, own_redis):
+    svc = run_app(serve_http_port, "faults", "/faults", model=str(model_dir), engine="sim",
+                  num_replicas=2, ingress_replicas=3, replica_num_cpus=0.1,
+                  ingress_num_cpus=0.1, redis_url=own_redis.url, redis_timeout_s=0.05,
+                  engine_restarts=3, kv_events_grace_s=3.0,
+                  extra_engine_args=["--step-model", "0.002,0.00002,0.0005,0"])
+    wait_until(lambda: len(replicas(svc)) == 2 and all(
+        r["routing_stats"].get("engine_alive") for r in replicas(svc)), 120, 1.0,
+        "both simulated engines")
+    return svc
+
+
+def replicas(svc) -> list[dict]:
+    try:
+        return svc.client.get("/replicas").json()["replicas"]
+    except (httpx.HTTPError, ValueError):
+        return []
+
+
+def engine_of(svc, replica_id) -> str:
+    return next(r["metadata"]["engine_url"] for r in replicas(svc)
+                if r["replica_id"] == replica_id)
+
+
+def set_faults(url: str, **faults):
+    r = httpx.post(url + "/sim/faults", json=faults, timeout=10)
+    assert r.status_code == 200, r.text
+
+
+def received(url: str) -> int:
+    return len(httpx.get(url + "/sim/requests", timeout=10).json())
+
+
+def chat_body(system: str, user: str, max_tokens=4, stream=False):
+    body = {"model": "tiny-qwen2", "max_tokens": max_tokens, "stream": stream,
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": user}]}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+def warm(svc, system: str) -> tuple[str, str]:
+    """Send one request with prefix ``system``; returns (replica id, its engine URL)."""
+    r = svc.client.post("/v1/chat/completions", json=chat_body(system, "warm up"))
+    assert r.status_code == 200, r.text
+    rid = r.headers["x-routed-replica"]
+    time.sleep(0.5)  # its KV events reach Redis
+    return rid, engine_of(svc, rid)
+
+
+@pytest.fixture(autouse=True)
+def _clear_faults(faults_app):
+    yield
+    for r in replicas(faults_app):
+        try:
+            set_faults(r["metadata"]["engine_url"], error_status=0, error_count=-1, hang=False,
+                       drop_after_chunks=-1, extra_ttft_s=0.0, withhold_events=False)
+        except httpx.HTTPError:
+            pass
+
+
+def test_conversations_keep_their_replica_with_three_ingress_replicas(faults_app, tokenizer):
+    """Issue 3: with 3 ingress processes the 5-turn conversations stay on their replica
+    (>= 95 % of turns), as with one: the index and the load are shared in Redis."""
+    on_home, total = 0, 0
+    for c in range(6):
+        msgs = [{"role": "system", "content": make_text(1000, f"ing3-{c}", tokenizer)}]
+        home = None
+        for k in range(5):
+            msgs.append({"role": "user", "content": f"turn {k} " + make_text(30, f"{c}-{k}")})
+            r = faults_app.client.post("/v1/chat/completions",
+                                       json={"model": "tiny-qwen2", "messages": msgs,
+                                             "max_tokens": 8})
+            assert r.status_code == 200, r.text
+            rid = r.headers["x-routed-replica"]
+            home = home or rid
+            if k:
+                total += 1
+                on_home += rid == home
+            msgs.append({"role": "assistant",
+                         "content": r.json()["choices"][0]["message"]["content"]})
+    assert on_home / total >= 0.95, (on_home, total)
+
+
+def test_failing_replica_is_demoted_then_readmitted(faults_app, tokenizer):
+    """FAULTS.md 6.2: A answers 500 while /health stays 200."""
+    system = make_text(600, "cb", tokenizer)
+    a, a_url = warm(faults_app, system)
+    set_faults(a_url, error_status=500, error_count=-1)
+    before = received(a_url)
+    for i in range(30):
+        r = faults_app.client.post("/v1/chat/completions", json=chat_body(system, f"q{i}"))
+        assert r.status_code == 200, r.text
+    attempts_on_a = received(a_url) - before
+    # 3 ingress processes each open their circuit after 3 failures
+    assert attempts_on_a <= 9 + 3, attempts_on_a
+    set_faults(a_url, error_status=0)
+    time.sleep(11)  # open_s: the circuits go half-open
+
+    def back():
+        r = faults_app.client.post("/v1/chat/completions", json=chat_body(system, "again"))
+        return r.status_code == 200 and r.headers["x-routed-replica"] == a
+    wait_until(back, 60, 0.2, "A readmitted after it recovered")
+
+
+def test_stream_broken_after_first_bytes_is_never_retried(faults_app, tokenizer):
+    """FAULTS.md 6.3: 5 chunks, then the connection drops: an SSE error event, no second
+    start, nothing sent to B."""
+    system = make_text(400, "drop", tokenizer)
+    a, a_url = warm(faults_app, system)
+    other = next(r["metadata"]["engine_url"] for r in replicas(faults_app)
+                 if r["replica_id"] != a)
+    set_faults(a_url, drop_after_chunks=5)
+    before_b = received(other)
+    with faults_app.client.stream("POST", "/v1/chat/completions",
+                                  json=chat_body(system, "stream", 20, stream=True)) as r:
+        assert r.status_code == 200 and r.headers["x-routed-replica"] == a
+        events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
+    import json
+    chunks = [json.loads(e) for e in events if e != "[DONE]"]
+    content = [c for c in chunks if c.get("choices")]
+    assert len(content) == 5
+    assert sum(1 for c in content if c["choices"][0]["delta"].get("role")) == 1
+    assert any("error" in c for c in chunks)
+    assert received(other) == before_b
+
+
+def test_failure_before_the_first_byte_is_retried_once_on_the_other_replica(faults_app,
+                                                                              tokenizer):
+    system = make_text(400, "pre", tokenizer)
+    a, a_url = warm(faults_app, system)
+    set_faults(a_url, error_status=503, error_count=1)
+    with faults_app.client.stream("POST", "/v1/chat/completions",
+                                  json=chat_body(system, "retry me", 6, stream=True)) as r:
+        assert r.status_code == 200
+        assert r.headers["x-routed-replica"] != a
+        text = r.read().decode()
+    assert text.count('"role"') == 1 and text.endswith("data: [DONE]\n\n")
+
+
+def _load_sum(own_redis, field: str) -> int:
+    h = own_redis.client().hgetall(f"{faults_ns()}:load")
+    return sum(int(v) for k, v in h.items() if k.decode().endswith(":" + field))
+
+
+_NS = {}
+
+
+def faults_ns():
+    return _NS["ns"]
+
+
+@pytest.fixture(autouse=True)
+def _ns(faults_app):
+    _NS["ns"] = faults_app.namespace
+
+
+def test_disconnects_leak_no_load(faults_app, own_redis, tokenizer):
+    """FAULTS.md 5.1, scaled: streams closed after the first chunk, during prefill, and
+    cancelled non-streaming requests all release their load."""
+    for r in replicas(faults_app):
+        set_faults(r["metadata"]["engine_url"], extra_ttft_s=0.5)
+    system = make_text(300, "leak", tokenizer)
+    url = faults_app.url
+
+    async def one(i: int):
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            mode = i % 3
+            body = chat_body(system, f"q{i}", 200, stream=mode != 2)
+            if mode == 0:  # close after the first chunk
+                async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                    async for _ in r.aiter_bytes():
+                        break
+            elif mode == 1:  # close during prefill, before any byte
+                try:
+                    await asyncio.wait_for(c.post("/v1/chat/completions", json=body), 0.2)
+                except asyncio.TimeoutError:
+                    pass
+            else:  # non-streaming, cancelled after 0.3 s
+                try:
+                    await asyncio.wait_for(c.post("/v1/chat/completions", json=body), 0.3)
+                except asyncio.TimeoutError:
+                    pass
+
+    async def all_():
+        await asyncio.gather(*(one(i) for i in range(30)))
+
+    asyncio.run(all_())
+    try:
+        wait_until(lambda: _load_sum(own_redis, "n") == 0 and _load_sum(own_redis, "p") == 0,
+                   15, 0.5, "Redis load keys back to 0")
+    except AssertionError:
+        c = own_redis.client()
+        raise AssertionError((c.hgetall(f"{faults_ns()}:load"),
+                              c.hgetall(f"{faults_ns()}:leases")))
+    for r in replicas(faults_app):
+        state = httpx.get(r["metadata"]["engine_url"] + "/sim/state").json()
+        assert state["running"] == 0 and state["waiting"] == 0, state
+
+
+def test_shared_load_counts_every_routers_requests(faults_app, own_redis, tokenizer):
+    """FAULTS.md 12.3: 30 long streams opened through 3 ingress processes read 30, then 0."""
+    for r in replicas(faults_app):
+        set_faults(r["metadata"]["engine_url"], extra_ttft_s=3.0)
+    system = make_text(100, "shared-load", tokenizer)
+    results = []
+
+    def stream(i):
+        with httpx.Client(base_url=faults_app.url, timeout=60) as c:
+            with c.stream("POST", "/v1/chat/completions",
+                          json=chat_body(system, f"s{i}", 5, stream=True)) as r:
+                results.append((r.status_code, len(r.read())))
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(30)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: _load_sum(own_redis, "n") == 30, 20, 0.1, "30 in flight in Redis")
+    for t in threads:
+        t.join(60)
+    assert [s for s, _ in results] == [200] * 30
+    wait_until(lambda: _load_sum(own_redis, "n") == 0, 15, 0.2, "in flight back to 0")
+
+
+def test_redis_outage_fails_no_request_and_cache_routing_resumes(faults_app, own_redis,
+                                                                 tokenizer):
+    """FAULTS.md 8.1, scaled: Redis stopped under load; every request succeeds; afterwards
+    a warm prefix goes to its replica again."""
+    system = make_text(800, "outage", tokenizer)
+    a, _ = warm(faults_app, system)
+    statuses = []
+    stop = threading.Event()
+
+    def load():
+        i = 0
+        with httpx.Client(base_url=faults_app.url, timeout=30) as c:
+            while not stop.is_set():
+                r = c.post("/v1/chat/completions", json=chat_body(
+                    make_text(200, f"outage-bg-{i % 5}"), f"x{i}"))
+                statuses.append(r.status_code)
+                i += 1
+
+    workers = [threading.Thread(target=load) for _ in range(4)]
+    for w in workers:
+        w.start()
+    time.sleep(1)
+    own_redis.stop()
+    time.sleep(4)
+    own_redis.start()
+    time.sleep(2)
+    stop.set()
+    for w in workers:
+        w.join(30)
+    assert statuses and all(s == 200 for s in statuses), statuses
+    # The replicas rebuild the index from their records; routing by cache resumes.
+    def warm_again():
+        r = faults_app.client.post("/v1/chat/completions", json=chat_body(system, "back"))
+        return r.status_code == 200 and r.headers["x-routed-replica"] == a \
+            and r.headers["x-routing-reason"] == "cache"
+    wait_until(warm_again, 30, 0.5, "cache-aware routing after Redis returned")
+    wait_until(lambda: "router_index_errors_total" in faults_app.client.get("/metrics").text
+               and 'reason="fallback"' in faults_app.client.get("/metrics").text, 60, 2.0,
+               "the outage counted in the exported metrics")
+
+
+def test_engine_killed_mid_run_fails_no_request(faults_app, tokenizer):
+    """FAULTS.md 2.3 with the simulated engine: SIGKILL A's engine, then 20 requests for its
+    prefix at 5/s all succeed (each tries A at most once), and B takes the prefix."""
+    system = make_text(800, "kill", tokenizer)
+    a, a_url = warm(faults_app, system)
+    pid = next(r["routing_stats"]["engine_pid"] for r in replicas(faults_app)
+               if r["replica_id"] == a)
+    os.kill(pid, signal.SIGKILL)
+    routed = []
+    for i in range(20):
+        r = faults_app.client.post("/v1/chat/completions", json=chat_body(system, f"k{i}"))
+        assert r.status_code == 200, r.text
+        routed.append(r.headers["x-routed-replica"])
+        time.sleep(0.2)
+    assert routed[-1] != a or routed.count(a) > 10  # B owns P_a (or A came back and kept it)
+    wait_until(lambda: all(r["routing_stats"].get("engine_alive") for r in replicas(faults_app)),
+               120, 1.0, "the engine restarted by its replica")
+
+
+def test_replica_without_kv_events_is_reported_and_still_served(faults_app, tokenizer):
+    """FAULTS.md 8.2: B publishes no events; within the grace period it is reported, and its
+    requests still succeed on predicted entries."""
+    reps = replicas(faults_app)
+    b_url = reps[1]["metadata"]["engine_url"]
+    b = reps[1]["replica_id"]
+    set_faults(b_url, withhold_events=True)
+    system = make_text(400, "noevents", tokenizer)
+    for i in range(10):
+        r = faults_app.client.post("/v1/chat/completions",
+                                   json=chat_body(make_text(200, f"ne{i}"), "x"))
+        assert r.status_code == 200
+
+    def reported():
+        return any(r["replica_id"] == b and r["routing_stats"].get("kv_events_live") is False
+                   for r in replicas(faults_app))
+    wait_until(reported, 60, 1.0, "replica B reported without KV events")
+
+    def gauge():  # every router sets it when it decides: keep traffic flowing
+        faults_app.client.post("/v1/chat/completions", json=chat_body("g", "g"))
+        return "router_replicas_without_kv_events 1.0" in faults_app.client.get("/metrics").text
+    try:
+        wait_until(gauge, 60, 1.0, "the gauge")
+    except AssertionError:
+        raise AssertionError([ln for ln in faults_app.client.get("/metrics").text.splitlines()
+                              if "without" in ln or "decision_total" in ln])
+    r1 = faults_app.client.post("/v1/chat/completions", json=chat_body(system, "one"))
+    r2 = faults_app.client.post("/v1/chat/completions", json=chat_body(system, "two"))
+    assert r1.status_code == r2.status_code == 200
+    assert r2.headers["x-routed-replica"] == r1.headers["x-routed-replica"]
+
+
+def test_two_replicas_on_one_node_are_both_addressable(faults_app, tokenizer):
+    """FAULTS.md 7.2 (b): replicas share the node IP; the index keys are replica ids."""
+    reps = replicas(faults_app)
+    assert len({r["metadata"]["node_ip"] for r in reps}) == 1
+    assert len({r["replica_id"] for r in reps}) == 2
+    system = make_text(300, "samenode", tokenizer)
+    seen = set()
+    for i in range(20):
+        r = faults_app.client.post("/v1/chat/completions", json=chat_body(system, f"n{i}"))
+        assert r.status_code == 200
+        seen.add(r.headers["x-routed-replica"])
+    assert seen <= {r["replica_id"] for r in reps}

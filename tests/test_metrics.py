@@ -1,0 +1,35 @@
+"""Aggregation of Ray's per-process metric export into the router's /metrics."""
+
+from router.metrics import aggregate_ray_export
+
+EXPORT = """# HELP ray_router_decision_total Decisions.
+# TYPE ray_router_decision_total counter
+ray_router_decision_total{Component="core_worker",WorkerId="w1",reason="cache",policy="p"} 3.0
+ray_router_decision_total{Component="core_worker",WorkerId="w2",reason="cache",policy="p"} 4.0
+ray_router_decision_total{Component="core_worker",WorkerId="w2",reason="load",policy="p"} 1.0
+# HELP ray_router_replicas_without_kv_events Silent replicas.
+# TYPE ray_router_replicas_without_kv_events gauge
+ray_router_replicas_without_kv_events{WorkerId="w1"} 1.0
+ray_router_replicas_without_kv_events{WorkerId="w2"} 1.0
+# HELP ray_router_inflight In flight.
+# TYPE ray_router_inflight gauge
+ray_router_inflight{WorkerId="w1",replica="a"} 10.0
+ray_router_inflight{WorkerId="w2",replica="a"} 20.0
+# HELP ray_other_metric Not ours.
+# TYPE ray_other_metric counter
+ray_other_metric_total 5.0
+"""
+
+
+def test_counters_and_inflight_sum_over_processes_fleet_views_do_not():
+    text = aggregate_ray_export([EXPORT])
+    assert 'router_decision_total{policy="p",reason="cache"} 7.0' in text
+    assert 'router_decision_total{policy="p",reason="load"} 1.0' in text
+    assert 'router_inflight{replica="a"} 30.0' in text
+    assert "router_replicas_without_kv_events 1.0" in text
+    assert "other_metric" not in text and "WorkerId" not in text
+
+
+def test_nodes_add_up():
+    text = aggregate_ray_export([EXPORT, EXPORT])
+    assert 'router_decision_total{policy="p",reason="cache"} 14.0' in text
