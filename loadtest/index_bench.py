@@ -37,7 +37,11 @@ def pct(xs: list[float], p: float) -> float:
     return xs[min(int(p * len(xs)), len(xs) - 1)]
 
 
-async def bench_lookup(url: str, tokens: int, n_replicas: int, iters: int) -> dict:
+async def bench_lookup(url: str, tokens: int, n_replicas: int, iters: int,
+                       scenario: str = "typical") -> dict:
+    """``typical``: one replica holds the request's whole prefix, the others other prompts'
+    blocks (a conversation's follow-up turn). ``adversarial``: every other replica also holds
+    a random-length part of the prefix, so every candidate's walk is long."""
     ns = f"bench-{uuid.uuid4().hex[:6]}"
     conn = RedisConnections(url, 5.0)
     index = RedisPrefixIndex(url, ns, connections=conn)
@@ -47,9 +51,14 @@ async def bench_lookup(url: str, tokens: int, n_replicas: int, iters: int) -> di
     hashes = [rng.getrandbits(63) for _ in range(n_blocks)]
     replicas = [f"replica-{i:02d}" for i in range(n_replicas)]
     for i, r in enumerate(replicas):
-        k = n_blocks if i == 0 else rng.randrange(0, n_blocks)
-        if k:
-            await index.apply_events(r, [KVEvent("stored", hashes[:k], None)])
+        if i == 0:
+            held = hashes
+        elif scenario == "adversarial":
+            held = hashes[:rng.randrange(0, n_blocks)]
+        else:
+            held = [rng.getrandbits(63) for _ in range(n_blocks)]
+        if held:
+            await index.apply_events(r, [KVEvent("stored", held, None)])
     lookup_s, route_s = [], []
     for it in range(iters):
         t0 = time.perf_counter()
@@ -57,7 +66,7 @@ async def bench_lookup(url: str, tokens: int, n_replicas: int, iters: int) -> di
         lookup_s.append(time.perf_counter() - t0)
     for it in range(iters):
         t0 = time.perf_counter()
-        await load.route(f"{ns}:", f"q{it}", tokens, hashes, replicas, [15.0] * n_replicas,
+        await load.route(index, f"q{it}", tokens, hashes, replicas, [15.0] * n_replicas,
                          block_size=BS, prefill_rate=20000.0, work_weight=1.0,
                          decode_step_s_per_seq=3e-5, step_token_budget=8192, tie_abs_s=0.002,
                          tie_rel=0.05, u=rng.random())
@@ -66,7 +75,7 @@ async def bench_lookup(url: str, tokens: int, n_replicas: int, iters: int) -> di
     await load.close()
     await index.flush()
     await conn.close()
-    return {"tokens": tokens, "replicas": n_replicas, "iters": iters,
+    return {"tokens": tokens, "replicas": n_replicas, "iters": iters, "scenario": scenario,
             "lookup_p50_ms": pct(lookup_s, 0.5) * 1e3, "lookup_p99_ms": pct(lookup_s, 0.99) * 1e3,
             "route_p50_ms": pct(route_s, 0.5) * 1e3, "route_p99_ms": pct(route_s, 0.99) * 1e3}
 
@@ -145,12 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-doc", action="store_true")
     a = ap.parse_args(argv)
     rows = []
-    for tokens in (1024, 8192, 32768, 131072):
-        for n in (2, 8, 32, 64):
-            iters = a.iters if tokens <= 8192 else max(a.iters // 5, 30)
-            row = asyncio.run(bench_lookup(a.redis_url, tokens, n, iters))
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+    for scenario in ("typical", "adversarial"):
+        for tokens in (1024, 8192, 32768, 131072):
+            for n in (2, 8, 32, 64):
+                iters = a.iters if tokens <= 8192 else max(a.iters // 5, 30)
+                row = asyncio.run(bench_lookup(a.redis_url, tokens, n, iters, scenario))
+                rows.append(row)
+                print(json.dumps(row), flush=True)
     ingest = asyncio.run(bench_ingestion(a.redis_url))
     print(json.dumps(ingest), flush=True)
     overhead = [asyncio.run(bench_overhead(a.redis_url, t, 50 if t > 8192 else 200))
@@ -160,10 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"index-bench-{int(time.time())}.json").write_text(
         json.dumps({"lookup": rows, "ingestion": ingest, "overhead": overhead}, indent=1))
-    table = ["| prompt tokens | replicas | lookup p50 (ms) | lookup p99 (ms) | atomic route p50 "
-             "(ms) | atomic route p99 (ms) |", "|---|---|---|---|---|---|"]
+    table = ["| scenario | prompt tokens | replicas | lookup p50 (ms) | lookup p99 (ms) | "
+             "atomic route p50 (ms) | atomic route p99 (ms) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
-        table.append(f"| {r['tokens']} | {r['replicas']} | {r['lookup_p50_ms']:.3f} | "
+        table.append(f"| {r['scenario']} | {r['tokens']} | {r['replicas']} | "
+                     f"{r['lookup_p50_ms']:.3f} | "
                      f"{r['lookup_p99_ms']:.3f} | {r['route_p50_ms']:.3f} | "
                      f"{r['route_p99_ms']:.3f} |")
     ov = ["| prompt tokens | validate+render+tokenize+hash p50 / p99 (ms) | decision p50 / p99 "

@@ -160,24 +160,26 @@ class RedisLoadTracker(LoadTracker):
             pass
 
     # --- the atomic decision -----------------------------------------------------------
-    async def route(self, index_prefix: str, request_id: str, prompt_tokens: int,
+    async def route(self, index, request_id: str, prompt_tokens: int,
                     block_hashes: Sequence[int], replicas: Sequence[str],
                     ttls_s: Sequence[float], *, block_size: int, prefill_rate: float,
                     work_weight: float, decode_step_s_per_seq: float, step_token_budget: int,
                     tie_abs_s: float, tie_rel: float, u: float) -> tuple[str, dict[str, int]]:
         """Match, score, choose and reserve in one script (the prefix_aware rule).
 
+        Args:
+            index: the ``RedisPrefixIndex`` (its key layout).
         Returns:
             (chosen replica, matched blocks per replica).
         Raises:
             IndexUnavailable: Redis failed; nothing was reserved in Redis.
         """
         self.ensure_heartbeat()
-        keys = self.keys + [f"{index_prefix}b:{h}" for h in block_hashes]
+        keys = self.keys + [k for r in replicas for k in index.replica_keys(r)]
         args = [self._now_ms(), "route", request_id, self.router_id, prompt_tokens, block_size,
                 prefill_rate, work_weight, decode_step_s_per_seq, step_token_budget, tie_abs_s,
-                tie_rel, self.recent_half_life_s, u, index_prefix, len(replicas), *replicas,
-                *(int(t * 1000) for t in ttls_s)]
+                tie_rel, self.recent_half_life_s, u, f"{index.ns}:", len(replicas), *replicas,
+                *(int(t * 1000) for t in ttls_s), *block_hashes]
 
         async def run(c):
             return await self._s(c)[1](keys=keys, args=args)

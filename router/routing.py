@@ -152,7 +152,7 @@ class RoutingCore:
         so a burst does not pile onto one replica (``lua/route.lua``)."""
         ids = [r.replica_id for r in pool]
         chosen, matched = await self.atomic.route(
-            self.index.ns + ":", request_id, prompt_tokens, block_hashes, ids,
+            self.index, request_id, prompt_tokens, block_hashes, ids,
             [self.predicted_ttl_s(r) for r in pool], block_size=self.hash_settings.block_size,
             prefill_rate=self.fleet_prefill_rate(pool), work_weight=policy.work_weight,
             decode_step_s_per_seq=self.settings.decode_step_s,

@@ -68,7 +68,7 @@ async def test_lua_route_chooses_as_the_python_policy(redis_pair):
         policy.rng = random.Random()
         policy.rng.random = lambda: u
         expected = policy.choose(RouteRequest(prompt, BS, len(prefix)), cands).replica
-        chosen, lua_matched = await load.route(f"{index.ns}:", f"req{trial}", prompt, prefix,
+        chosen, lua_matched = await load.route(index, f"req{trial}", prompt, prefix,
                                                replicas, [15.0] * 4, **route_kwargs(policy, u))
         assert lua_matched == matched
         assert chosen == expected, (trial, matched, loads)
@@ -79,9 +79,9 @@ async def test_route_reserves_once_and_writes_predicted_entries(redis_pair):
     index, load, clock = redis_pair
     p = PrefixAware()
     hashes = [1, 2, 3]
-    chosen, _ = await load.route(f"{index.ns}:", "q", 100, hashes, ["a", "b"], [15.0, 15.0],
+    chosen, _ = await load.route(index, "q", 100, hashes, ["a", "b"], [15.0, 15.0],
                                  **route_kwargs(p, 0.0))
-    again, _ = await load.route(f"{index.ns}:", "q", 100, hashes, ["a", "b"], [15.0, 15.0],
+    again, _ = await load.route(index, "q", 100, hashes, ["a", "b"], [15.0, 15.0],
                                 **route_kwargs(p, 0.0))  # Serve asked twice
     loads = await load.loads(["a", "b"])
     assert sum(v.inflight for v in loads.values()) == 1
@@ -119,7 +119,7 @@ async def test_several_routers_do_not_all_pick_the_same_replica_for_a_burst(redi
         out = []
         for i in range(8):
             chosen, _ = await tracker.route(
-                f"{index.ns}:", f"b{k}-{i}", 1000, [10_000 * k + 100 * i + j for j in range(31)],
+                index, f"b{k}-{i}", 1000, [10_000 * k + 100 * i + j for j in range(31)],
                 replicas, [15.0] * 4, **route_kwargs(PrefixAware(), random.random()))
             out.append(chosen)
         return out

@@ -2,18 +2,21 @@
 
 Key layout (``<ns>`` is ``Settings.index_namespace``; only hashes and counters, never text):
 
-* ``<ns>:b:<hash>``: one Redis hash per block key. Field ``<replica>`` = physical copies the
-  engine holds (exact entry, from KV events); field ``~<replica>`` = expiry in ms of a
-  predicted entry. A key with no exact field expires with its latest predicted entry.
-* ``<ns>:r:<replica>:x`` / ``<ns>:r:<replica>:p``: sets of the block hashes a replica has
-  exact / predicted entries for, so a replica can be purged without a scan.
-* ``<ns>:replicas``: replicas seen, for ``stats``.
+* ``<ns>:x:<replica>``: hash ``block hash -> physical copies`` the engine holds (exact
+  entries, from KV events). Bounded by the engine's KV capacity.
+* ``<ns>:p:<replica>``: hash ``block hash -> expiry (ms)`` of predicted entries; the hash
+  expires with its latest entry and expired fields are swept a few at a time on each write
+  (Redis 7.0 has no per-field TTL), so it is bounded by TTL x rate of new blocks.
+* ``<ns>:replicas``: replicas with entries, for ``stats``.
 
-Every request costs one round trip (``lua/route.lua``: a lookup alone, or with the
-``RedisLoadTracker`` the whole atomic decision). Each call is bounded by
-``timeout_s``; past it, or when Redis is down, ``IndexUnavailable`` is raised and routing
-decides by load. The asyncio client belongs to the event loop that created it, so one is
-made lazily per loop (the Ray router runs on its own loop, DESIGN.md decision 6).
+Per-replica hashes make a lookup a few ``HMGET``s per candidate whatever the prompt length
+(``lua/route.lua`` reads a candidate's blocks in chunks of growing size and stops at its
+first missing block), and purging a replica one ``DEL``. Every request costs one round trip
+(``route.lua``: a lookup alone, or with the ``RedisLoadTracker`` the whole atomic decision).
+Each call is bounded by ``timeout_s``; past it, or when Redis is down, ``IndexUnavailable``
+is raised and routing decides by load. The asyncio client belongs to the event loop that
+created it, so one is made lazily per loop (the Ray router runs on its own loop, DESIGN.md
+decision 6).
 """
 
 from __future__ import annotations
@@ -94,11 +97,9 @@ class RedisPrefixIndex(PrefixIndex):
         self._events_src = load_lua("apply_events")
         self._scripts: dict[int, tuple] = {}
 
-    def _block_key(self, h: int) -> str:
-        return f"{self.ns}:b:{h}"
-
-    def _replica_sets(self, replica: str) -> list[str]:
-        return [f"{self.ns}:r:{replica}:x", f"{self.ns}:r:{replica}:p"]
+    def replica_keys(self, replica: str) -> list[str]:
+        """The replica's exact and predicted hashes."""
+        return [f"{self.ns}:x:{replica}", f"{self.ns}:p:{replica}"]
 
     def _s(self, client: aioredis.Redis):
         scripts = self._scripts.get(id(client))
@@ -118,10 +119,10 @@ class RedisPrefixIndex(PrefixIndex):
             return {}
         if not block_hashes:
             return {r: 0 for r in replicas}
-        keys = [f"{self.ns}:load", f"{self.ns}:leases"] + [self._block_key(h)
-                                                             for h in block_hashes]
+        keys = [f"{self.ns}:load", f"{self.ns}:leases"] + [
+            k for r in replicas for k in self.replica_keys(r)]
         args = [self._now_ms(), "lookup", *([0] * 12), f"{self.ns}:", len(replicas),
-                *replicas, *([0] * len(replicas))]
+                *replicas, *([0] * len(replicas)), *block_hashes]
 
         async def run(client):
             return await self._s(client)[0](keys=keys, args=args)
@@ -133,14 +134,12 @@ class RedisPrefixIndex(PrefixIndex):
                                ttl_s: float) -> None:
         if not block_hashes:
             return
-        expiry = self._now_ms() + int(ttl_s * 1000)
-        keys = [self._replica_sets(replica)[1]] + [self._block_key(h) for h in block_hashes]
+        now = self._now_ms()
+        keys = [self.replica_keys(replica)[1], f"{self.ns}:replicas"]
+        args = [replica, now + int(ttl_s * 1000), now, *block_hashes]
 
         async def run(client):
-            pipe = client.pipeline(transaction=False)
-            await self._s(client)[1](keys=keys, args=[replica, expiry, *block_hashes], client=pipe)
-            pipe.sadd(f"{self.ns}:replicas", replica)
-            return await pipe.execute()
+            return await self._s(client)[1](keys=keys, args=args)
 
         await self.conn.call(run)
 
@@ -157,26 +156,19 @@ class RedisPrefixIndex(PrefixIndex):
             await self._run_events(replica, ops)
 
     async def _run_events(self, replica: str, ops: list[Any]) -> None:
+        keys = self.replica_keys(replica) + [f"{self.ns}:replicas"]
+
         async def run(client):
-            pipe = client.pipeline(transaction=False)
-            await self._s(client)[2](keys=self._replica_sets(replica),
-                               args=[replica, f"{self.ns}:b:", *ops], client=pipe)
-            pipe.sadd(f"{self.ns}:replicas", replica)
-            return await pipe.execute()
+            return await self._s(client)[2](keys=keys, args=[replica, *ops])
 
         await self.conn.call(run)
 
     async def remove_replica(self, replica: str) -> None:
         await self._run_events(replica, ["x"])
 
-        async def run(client):
-            return await client.srem(f"{self.ns}:replicas", replica)
-
-        await self.conn.call(run)
-
     async def exact_entry_count(self, replica: str) -> int:
         async def run(client):
-            return await client.scard(self._replica_sets(replica)[0])
+            return await client.hlen(self.replica_keys(replica)[0])
 
         return int(await self.conn.call(run))
 
@@ -185,8 +177,8 @@ class RedisPrefixIndex(PrefixIndex):
             replicas = await client.smembers(f"{self.ns}:replicas")
             pipe = client.pipeline(transaction=False)
             for r in replicas:
-                for key in self._replica_sets(r.decode()):
-                    pipe.scard(key)
+                for key in self.replica_keys(r.decode()):
+                    pipe.hlen(key)
             counts = await pipe.execute()
             return sum(counts)
 

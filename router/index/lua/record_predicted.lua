@@ -1,25 +1,32 @@
--- Predicted entries for one replica.
--- KEYS[1]: the replica's set of predicted block hashes; KEYS[2..]: block keys
--- ARGV[1]: replica id; ARGV[2]: expiry (ms); ARGV[3..]: the block hashes of KEYS[2..]
--- A field's expiry only moves later. A block key without exact entries expires with its
--- latest predicted entry; a key with exact entries has no expiry (exact entries live until
--- the engine reports their removal).
-local field = '~' .. ARGV[1]
-local expiry = tonumber(ARGV[2])
-for i = 2, #KEYS do
-  local key = KEYS[i]
-  local ttl = redis.call('PTTL', key)  -- -2 missing, -1 persistent (exact entries), else volatile
-  local old = tonumber(redis.call('HGET', key, field))
-  if not old or old < expiry then
-    redis.call('HSET', key, field, expiry)
+-- Predicted entries for one replica, and amortised removal of its expired ones.
+-- KEYS[1]: the replica's predicted hash (block -> expiry ms); KEYS[2]: replicas set
+-- ARGV[1]: replica id; ARGV[2]: expiry (ms); ARGV[3]: now (ms); ARGV[4..]: block hashes
+-- An entry's expiry only moves later. The hash itself expires with its latest entry; while
+-- it lives, each call also scans a few fields and deletes expired ones, so its size stays
+-- bounded by the TTL times the rate of new blocks.
+local key, expiry, now = KEYS[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local hs = {}
+for i = 4, #ARGV do hs[#hs + 1] = ARGV[i] end
+if #hs > 0 then
+  local old = redis.call('HMGET', key, unpack(hs))
+  local args = {}
+  for k = 1, #hs do
+    local o = tonumber(old[k])
+    if not o or o < expiry then
+      args[#args + 1] = hs[k]; args[#args + 1] = expiry
+      if #args >= 512 then redis.call('HSET', key, unpack(args)); args = {} end
+    end
   end
-  if ttl == -2 then
-    redis.call('PEXPIREAT', key, expiry)
-  elseif ttl ~= -1 then
-    redis.call('PEXPIREAT', key, expiry, 'GT')
-  end
-  redis.call('SADD', KEYS[1], ARGV[i + 1])
+  if #args > 0 then redis.call('HSET', key, unpack(args)) end
 end
-redis.call('PEXPIREAT', KEYS[1], expiry, 'GT')
-if redis.call('PTTL', KEYS[1]) == -1 then redis.call('PEXPIREAT', KEYS[1], expiry) end
-return #KEYS - 1
+redis.call('PEXPIREAT', key, expiry, 'GT')
+if redis.call('PTTL', key) == -1 then redis.call('PEXPIREAT', key, expiry) end
+redis.call('SADD', KEYS[2], ARGV[1])
+-- amortised sweep: continue a cursor kept beside the hash
+local ckey = key .. ':cursor'
+local res = redis.call('HSCAN', key, redis.call('GET', ckey) or '0', 'COUNT', 64)
+for k = 1, #res[2], 2 do
+  if tonumber(res[2][k + 1]) <= now then redis.call('HDEL', key, res[2][k]) end
+end
+redis.call('SET', ckey, res[1], 'PX', 3600000)
+return #hs

@@ -4,14 +4,20 @@
 -- does not pile onto one replica. The cost is router/policies.py PrefixAware (the same
 -- formula; tests/test_route_lua.py checks that both choose alike).
 --
+-- Per replica r: <ns>:x:<r> hash block -> copies (exact, from KV events) and <ns>:p:<r>
+-- hash block -> expiry ms (predicted). A candidate's match is read with HMGETs of 16, then
+-- 64 hashes at a time that stop at its first missing block, so the cost grows with the
+-- candidates' matched lengths, not with the prompt length times the replica count.
+--
 -- KEYS[1]: load hash (<replica>:n in flight, :p queued prefill tokens, :r recent, :t time)
 -- KEYS[2]: lease hash (request id -> "replica|prefill|done|router")
--- KEYS[3..]: block keys of the request, in prompt order
+-- KEYS[3..]: per candidate, its exact hash then its predicted hash
 -- ARGV: 1 now_ms, 2 mode ("lookup" | "route"), 3 request_id, 4 router_id,
 --       5 prompt_tokens, 6 block_size, 7 prefill_rate (tokens/s), 8 work_weight,
 --       9 decode_step_s_per_seq, 10 step_token_budget, 11 tie_abs_s, 12 tie_rel,
---       13 recent_half_life_s, 14 u (uniform random in [0,1)), 15 key prefix,
---       16 n_candidates, then n candidate ids, then per candidate its predicted TTL (ms)
+--       13 recent_half_life_s, 14 u (uniform random in [0,1)), 15 key prefix "<ns>:",
+--       16 n_candidates, then n candidate ids, then per candidate its predicted TTL (ms),
+--       then the request's block hashes in prompt order
 -- Returns: {chosen index (1-based, 0 in lookup mode), matched blocks per candidate...}
 local now = tonumber(ARGV[1])
 local mode = ARGV[2]
@@ -21,31 +27,29 @@ for j = 1, nc do
   cands[j] = ARGV[16 + j]
   ttls[j] = tonumber(ARGV[16 + nc + j])
 end
-local nblocks = #KEYS - 2
+local h0 = 16 + 2 * nc  -- ARGV[h0 + i] is block i
+local nblocks = #ARGV - h0
 
--- 1. matched prefix per candidate (stop at the first block a candidate lacks)
-local alive, matched = {}, {}
-for j = 1, nc do alive[j] = true; matched[j] = nblocks end
-local left = nc
-for i = 1, nblocks do
-  if left == 0 then break end
-  local fields, idx = {}, {}
-  for j = 1, nc do
-    if alive[j] then
-      fields[#fields + 1] = cands[j]
-      fields[#fields + 1] = '~' .. cands[j]
-      idx[#idx + 1] = j
+-- 1. matched prefix per candidate: leading blocks held (exact or unexpired predicted)
+local function held_prefix(xkey, pkey)
+  local i, chunk = 0, 16
+  while i < nblocks do
+    local last = math.min(i + chunk, nblocks)
+    local hs = {}
+    for k = i + 1, last do hs[#hs + 1] = ARGV[h0 + k] end
+    local ex = redis.call('HMGET', xkey, unpack(hs))
+    local pr = redis.call('HMGET', pkey, unpack(hs))
+    for k = 1, #hs do
+      local c, e = tonumber(ex[k]), tonumber(pr[k])
+      if not ((c and c > 0) or (e and e > now)) then return i + k - 1 end
     end
+    i = last
+    chunk = 64
   end
-  local vals = redis.call('HMGET', KEYS[i + 2], unpack(fields))
-  for k, j in ipairs(idx) do
-    local c = tonumber(vals[2 * k - 1])
-    local e = tonumber(vals[2 * k])
-    if not ((c and c > 0) or (e and e > now)) then
-      alive[j] = false; matched[j] = i - 1; left = left - 1
-    end
-  end
+  return nblocks
 end
+local matched = {}
+for j = 1, nc do matched[j] = held_prefix(KEYS[1 + 2 * j], KEYS[2 + 2 * j]) end
 if mode == 'lookup' then
   local out = {0}
   for j = 1, nc do out[#out + 1] = matched[j] end
@@ -73,10 +77,9 @@ local cost, cached, recent = {}, {}, {}
 local best = nil
 for j = 1, nc do
   local r = cands[j]
-  local n = tonumber(redis.call('HGET', load, r .. ':n') or '0')
-  local q = tonumber(redis.call('HGET', load, r .. ':p') or '0')
-  local rc = tonumber(redis.call('HGET', load, r .. ':r') or '0')
-  local rt = tonumber(redis.call('HGET', load, r .. ':t') or tostring(now))
+  local v = redis.call('HMGET', load, r .. ':n', r .. ':p', r .. ':r', r .. ':t')
+  local n = tonumber(v[1] or '0'); local q = tonumber(v[2] or '0')
+  local rc = tonumber(v[3] or '0'); local rt = tonumber(v[4] or tostring(now))
   if now > rt then rc = rc * math.exp(-math.log(2) * (now - rt) / 1000 / half) end
   recent[j] = rc
   local hit = 0
@@ -116,21 +119,17 @@ redis.call('HSET', load, chosen .. ':r', tostring(recent[pick] + 1), chosen .. '
 redis.call('HSET', leases, req, chosen .. '|' .. unc .. '|0|' .. ARGV[4])
 
 -- 5. predicted entries for the chosen replica (as record_predicted.lua)
-local expiry = now + ttls[pick]
-local field = '~' .. chosen
-local pset = prefix .. 'r:' .. chosen .. ':p'
-for i = 1, nblocks do
-  local key = KEYS[i + 2]
-  local ttl = redis.call('PTTL', key)
-  local o = tonumber(redis.call('HGET', key, field))
-  if not o or o < expiry then redis.call('HSET', key, field, expiry) end
-  if ttl == -2 then redis.call('PEXPIREAT', key, expiry)
-  elseif ttl ~= -1 then redis.call('PEXPIREAT', key, expiry, 'GT') end
-  redis.call('SADD', pset, string.sub(key, #prefix + 3))
-end
 if nblocks > 0 then
-  redis.call('PEXPIREAT', pset, expiry, 'GT')
-  if redis.call('PTTL', pset) == -1 then redis.call('PEXPIREAT', pset, expiry) end
+  local pkey = KEYS[2 + 2 * pick]
+  local expiry = now + ttls[pick]
+  local args = {}
+  for i = 1, nblocks do
+    args[#args + 1] = ARGV[h0 + i]; args[#args + 1] = expiry
+    if #args >= 512 then redis.call('HSET', pkey, unpack(args)); args = {} end
+  end
+  if #args > 0 then redis.call('HSET', pkey, unpack(args)) end
+  redis.call('PEXPIREAT', pkey, expiry, 'GT')
+  if redis.call('PTTL', pkey) == -1 then redis.call('PEXPIREAT', pkey, expiry) end
   redis.call('SADD', prefix .. 'replicas', chosen)
 end
 
