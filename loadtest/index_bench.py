@@ -30,6 +30,17 @@ from router.index.redis_index import RedisConnections, RedisPrefixIndex
 from router.load_redis import RedisLoadTracker
 
 BS = 32
+NOTES = """Reading: Redis runs on the same 2-core VM as the benchmark (shared, noisy). *typical*:
+one replica holds the request's whole prefix and the others hold other prompts' blocks (a
+follow-up turn); *adversarial*: every replica holds a random-length part of the same prefix,
+so every candidate's walk is long. The target "lookup p99 under 1 ms at 8k tokens and 8
+replicas" is met in the typical case (0.94 ms) and missed in the adversarial one (2.2 ms):
+the lookup reads each candidate's held prefix and stops at its first missing block, so its
+cost grows with the sum of the candidates' matched lengths. The atomic route adds the load
+reservation and the predicted-entry writes for every block of the prompt. Ingestion is far
+above what engines publish (an H200 prefilling 30k tokens/s at block 16 stores about 2k
+blocks/s). The router's overhead is dominated by validation, chat templating, tokenization
+and hashing of the prompt, not by the index."""
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -192,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if not a.no_doc:
         write_benchmark_doc("Redis index: lookup, ingestion, router overhead",
-                            "python -m loadtest.index_bench " + " ".join(argv or []), text)
+                            "python -m loadtest.index_bench " + " ".join(argv or []), text,
+                            NOTES)
     return 0
 
 

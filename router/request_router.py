@@ -56,7 +56,18 @@ class PrefixCacheRequestRouter(RequestRouter):
                     metrics.inc("index_errors", tags={"op": op}),
                     metrics.get("index_available").set(0)),
                 health=state.replica_health())
+            self._stats_task = asyncio.get_running_loop().create_task(self._report_index_size())
         return self._core
+
+    async def _report_index_size(self, period_s: float = 10.0) -> None:
+        """Export the index size every ``period_s`` (``router_index_entries``)."""
+        from router.index.base import IndexUnavailable
+        while True:
+            try:
+                metrics.get("index_entries").set((await self._core.index.stats()).entries)
+            except IndexUnavailable:
+                pass
+            await asyncio.sleep(period_s)
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None

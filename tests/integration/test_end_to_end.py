@@ -6,6 +6,8 @@ from other tests never help it.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.conftest import BLOCK_SIZE, make_text, wait_until
@@ -81,3 +83,68 @@ def test_metrics_endpoint_exports_router_counters(service, tokenizer):
         return "router_decision_total" in text and "router_engine_cached_tokens_total" in text
 
     wait_until(exported, 60, 1.0, "router metrics in Ray's export")
+
+
+def _engine_metric(url: str, name: str) -> float:
+    import httpx
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{"))
+
+
+def test_client_disconnect_aborts_the_engine_request(service, tokenizer):
+    """FAULTS.md 5.2: a client gone mid-stream (and a cancelled non-streaming request)
+    leaves nothing running on the real engine."""
+    import httpx
+    reps = service.client.get("/replicas").json()["replicas"]
+    urls = [r["metadata"]["engine_url"] for r in reps]
+    body = {"model": "tiny-qwen2", "max_tokens": 2000, "ignore_eos": True,
+            "messages": [{"role": "user", "content": make_text(300, "abort", tokenizer)}]}
+    with service.client.stream("POST", "/v1/chat/completions",
+                               json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        next(r.iter_bytes())
+    try:
+        httpx.post(service.url + "/v1/chat/completions", json=body, timeout=1.0)
+    except httpx.TimeoutException:
+        pass
+    wait_until(lambda: sum(_engine_metric(u, "vllm:num_requests_running") for u in urls) == 0,
+               10, 0.2, "the engines to abort both requests")
+
+
+def test_router_hit_counters_match_the_engines_own(service, tokenizer):
+    """FAULTS.md 12.1: counters, not a last-batch gauge; 9 warm requests and 1 cold one give
+    a ratio between 0.8 and 0.9 in the router's export, as in the engines' own counters."""
+    reps = service.client.get("/replicas").json()["replicas"]
+    urls = [r["metadata"]["engine_url"] for r in reps]
+
+    def totals():
+        text = service.client.get("/metrics").text
+        get = lambda n: sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()  # noqa
+                            if x.startswith(n + "{"))
+        return get("router_engine_cached_tokens_total"), get("router_prompt_tokens_total")
+
+    def engine_totals():
+        return (sum(_engine_metric(u, "vllm:prefix_cache_hits_total") for u in urls),
+                sum(_engine_metric(u, "vllm:prefix_cache_queries_total") for u in urls))
+
+    system = make_text(1000, "hitrate", tokenizer)
+    msgs = lambda q: [{"role": "system", "content": system}, {"role": "user", "content": q}]  # noqa
+    assert service.chat(msgs("warm"), max_tokens=1).status_code == 200
+    time.sleep(12)  # Ray's exporter has the warm-up request in its counters by now
+    r0, e0 = totals(), engine_totals()
+    for i in range(9):
+        assert service.chat(msgs(f"q{i}"), max_tokens=1).status_code == 200
+    cold = [{"role": "user", "content": make_text(1100, "hitrate-cold", tokenizer)}]
+    assert service.chat(cold, max_tokens=1).status_code == 200
+    e1 = engine_totals()
+    engine_ratio = (e1[0] - e0[0]) / (e1[1] - e0[1])
+    assert 0.8 <= engine_ratio <= 0.9, engine_ratio
+
+    def router_ratio():
+        r1 = totals()
+        if r1[1] - r0[1] < e1[1] - e0[1]:
+            return None
+        return (r1[0] - r0[0]) / (r1[1] - r0[1])
+    ratio = wait_until(router_ratio, 60, 2.0, "the router's exported counters")
+    assert 0.8 <= ratio <= 0.9 and abs(ratio - engine_ratio) < 0.02, (ratio, engine_ratio)

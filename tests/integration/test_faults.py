@@ -341,6 +341,15 @@ def test_engine_killed_mid_run_fails_no_request(faults_app, tokenizer):
     assert routed[-1] != a or routed.count(a) > 10  # B owns P_a (or A came back and kept it)
     wait_until(lambda: all(r["routing_stats"].get("engine_alive") for r in replicas(faults_app)),
                120, 1.0, "the engine restarted by its replica")
+    # The restarted engine's cache is empty (its entries were cleared): it gets its fair
+    # share of cold traffic (FAULTS.md 5.1, second half).
+    cold = []
+    for i in range(20):
+        r = faults_app.client.post("/v1/chat/completions",
+                                   json=chat_body(make_text(200, f"cold-{i}"), "c"))
+        assert r.status_code == 200
+        cold.append(r.headers["x-routed-replica"])
+    assert 8 <= cold.count(a) <= 12, cold
 
 
 def test_replica_without_kv_events_is_reported_and_still_served(faults_app, tokenizer):
@@ -387,3 +396,55 @@ def test_two_replicas_on_one_node_are_both_addressable(faults_app, tokenizer):
         assert r.status_code == 200
         seen.add(r.headers["x-routed-replica"])
     assert seen <= {r["replica_id"] for r in reps}
+
+
+def test_prompt_of_120k_tokens_is_forwarded(faults_app):
+    """FAULTS.md 10.2 (1): a long prompt (about 0.5 MB) reaches the engine and is answered."""
+    prompt = " ".join(f"w{i % 997}" for i in range(120_000))
+    r = faults_app.client.post("/v1/completions", json={"model": "tiny-qwen2",
+                                                         "prompt": prompt, "max_tokens": 2},
+                               timeout=300)
+    assert r.status_code == 200, r.text[:300]
+    assert r.json()["usage"]["prompt_tokens"] >= 100_000
+
+
+def _requests_total(text: str) -> float:
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("router_requests_total{"))
+
+
+def test_metrics_of_three_ingress_processes_add_up(faults_app):
+    """Counters are recorded through Ray's metrics API: the export sums every process."""
+    before = _requests_total(faults_app.client.get("/metrics").text)
+    n = 24
+    for i in range(n):
+        with httpx.Client(base_url=faults_app.url, timeout=30) as c:  # new connections spread
+            assert c.post("/v1/chat/completions",
+                          json=chat_body("m", f"count {i}")).status_code == 200
+    wait_until(lambda: _requests_total(faults_app.client.get("/metrics").text) >= before + n,
+               60, 2.0, "the 24 requests in the aggregated counter")
+    assert _requests_total(faults_app.client.get("/metrics").text) == before + n
+
+
+def test_replica_hashing_differently_is_refused_loudly(serve_http_port, model_dir):
+    """FAULTS.md 3.3: the engine runs with another block size than the router; the replica's
+    start-up probe sees other BlockStored hashes, the router excludes it from cache-aware
+    routing (requests still succeed, routed by load), and /replicas names the mismatch."""
+    from ray import serve
+    svc = run_app(serve_http_port, "mismatch", "/mismatch", model=str(model_dir), engine="sim",
+                  num_replicas=1, replica_num_cpus=0.1, ingress_num_cpus=0.1,
+                  extra_engine_args=["--block-size", "64"])
+    try:
+        wait_until(lambda: replicas(svc), 60, 1.0, "the replica")
+        rep = replicas(svc)[0]
+        assert rep["metadata"]["hash_probe"] == "mismatch"
+        assert rep["hash_mismatch"]
+        system = "x " * 400
+        reasons = []
+        for i in range(3):
+            r = svc.client.post("/v1/chat/completions", json=chat_body(system, f"m{i}"))
+            assert r.status_code == 200
+            reasons.append(r.headers["x-routing-reason"])
+        assert "cache" not in reasons
+    finally:
+        serve.delete("mismatch")
