@@ -22,6 +22,7 @@ from router.config import DEFAULT_MODEL_DIR, Settings
 from router.errors import OpenAIError, no_replicas
 from router.ingress import IngressCore, build_fastapi_app
 from router.prompts import CHAT_PATH, COMPLETIONS_PATH
+from router.routing import hash_mismatches
 
 logger = logging.getLogger("ray.serve")
 
@@ -123,7 +124,7 @@ class Ingress:
             out.append({"replica_id": r.replica_id.unique_id, "metadata": md,
                         "routing_stats": dict(r.routing_stats or {}),
                         "circuit_open": health.is_open(r.replica_id.unique_id),
-                        "hash_mismatch": hs.mismatches(md) if "hash_algo" in md else []})
+                        "hash_mismatch": hash_mismatches(hs, md)})
         return JSONResponse({"replicas": out})
 
     @fastapi_app.get("/metrics")

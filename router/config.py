@@ -114,10 +114,7 @@ class Settings(BaseSettings):
                                  "for the decode-pressure term (s).")
     tie_tolerance_s: float = Field(
         0.002, ge=0, description="Costs within this of the minimum count as ties; ties go to "
-                                 "the replica with the fewest recent assignments.")
-    recent_window_s: float = Field(
-        30.0, gt=0, description="Half-life of the recent-assignments signal used to spread "
-                                "cold starts when nothing is in flight.")
+                                 "the replica that waited longest since its last assignment.")
 
     # --- ingress ------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="HTTP bind address of Ray Serve's proxy.")

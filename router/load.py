@@ -6,9 +6,10 @@ ingress releases it in a ``finally``; FAULTS.md 1.2 and 5.1):
 * ``inflight``: requests dispatched to the replica and not finished;
 * ``prefill_tokens``: uncached prompt tokens of those requests that have not produced a
   first token yet (the prefill work queued ahead of a new request, DESIGN.md decision 4);
-* ``recent``: an exponentially decayed count of recent assignments, with half-life
-  ``recent_half_life_s``: the signal that spreads cold starts when nothing is in flight
-  (FAULTS.md 1.4).
+* ``last_assigned_s``: when the replica was last given a request: among otherwise equal
+  candidates the one that waited longest wins (a rotating tie-break), the signal that
+  spreads cold starts when nothing is in flight (FAULTS.md 1.4). A restarted replica gets
+  its turn, not a catch-up burst.
 
 ``MemoryLoadTracker`` is shared by the router loop and the ingress loop of one process (a
 lock guards it); ``RedisLoadTracker`` (``router/load_redis.py``) shares it across routers.
@@ -16,7 +17,6 @@ lock guards it); ``RedisLoadTracker`` (``router/load_redis.py``) shares it acros
 
 from __future__ import annotations
 
-import math
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -28,11 +28,11 @@ from router.clock import Clock, SystemClock
 @dataclass
 class ReplicaLoad:
     """Load of one replica: ``inflight`` requests, ``prefill_tokens`` queued for prefill,
-    ``recent`` decayed assignment count (dimensionless)."""
+    ``last_assigned_s`` time of its last assignment (clock seconds, 0 = never)."""
 
     inflight: int = 0
     prefill_tokens: int = 0
-    recent: float = 0.0
+    last_assigned_s: float = 0.0
 
 
 @dataclass
@@ -71,29 +71,18 @@ class LoadTracker(ABC):
 class MemoryLoadTracker(LoadTracker):
     """Load reservations held in this process (the embedded default)."""
 
-    def __init__(self, clock: Clock | None = None, recent_half_life_s: float = 30.0):
+    def __init__(self, clock: Clock | None = None):
         self.clock = clock or SystemClock()
-        self.recent_half_life_s = recent_half_life_s
         self._lock = threading.Lock()
         self._res: dict[str, Reservation] = {}
         self._load: dict[str, ReplicaLoad] = {}
-        self._recent_t: dict[str, float] = {}
-
-    def _decay_locked(self, replica: str, now: float) -> ReplicaLoad:
-        load = self._load.setdefault(replica, ReplicaLoad())
-        last = self._recent_t.get(replica, now)
-        if now > last:
-            load.recent *= math.exp(-math.log(2) * (now - last) / self.recent_half_life_s)
-        self._recent_t[replica] = now
-        return load
 
     def loads_now(self, replicas: Sequence[str]) -> dict[str, ReplicaLoad]:
-        now = self.clock.now()
         with self._lock:
             out = {}
             for r in replicas:
-                load = self._decay_locked(r, now)
-                out[r] = ReplicaLoad(load.inflight, load.prefill_tokens, load.recent)
+                load = self._load.get(r) or ReplicaLoad()
+                out[r] = ReplicaLoad(load.inflight, load.prefill_tokens, load.last_assigned_s)
             return out
 
     async def loads(self, replicas: Sequence[str]) -> dict[str, ReplicaLoad]:
@@ -103,10 +92,10 @@ class MemoryLoadTracker(LoadTracker):
         now = self.clock.now()
         with self._lock:
             self._release_locked(request_id)
-            load = self._decay_locked(replica, now)
+            load = self._load.setdefault(replica, ReplicaLoad())
             load.inflight += 1
             load.prefill_tokens += prefill_tokens
-            load.recent += 1.0
+            load.last_assigned_s = now
             self._res[request_id] = Reservation(replica, prefill_tokens)
 
     async def reserve(self, request_id: str, replica: str, prefill_tokens: int) -> None:
@@ -145,7 +134,6 @@ class MemoryLoadTracker(LoadTracker):
             for rid in [k for k, v in self._res.items() if v.replica == replica]:
                 del self._res[rid]
             self._load.pop(replica, None)
-            self._recent_t.pop(replica, None)
 
     def total_inflight(self) -> int:
         with self._lock:

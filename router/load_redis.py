@@ -3,8 +3,7 @@
 Keys (``<ns>`` = ``Settings.index_namespace``):
 
 * ``<ns>:load``: hash with ``<replica>:n`` (requests in flight), ``<replica>:p`` (queued
-  prefill tokens), ``<replica>:r`` / ``<replica>:t`` (decayed recent assignments and the time
-  they were last updated, ms);
+  prefill tokens), ``<replica>:t`` (time of its last assignment, ms);
 * ``<ns>:leases``: hash ``request id -> "replica|prefill tokens|prefill done (0/1)|router id"``;
   every counter change goes with a lease change in one script, so releasing twice is a no-op
   (``lua/lease.lua``);
@@ -39,20 +38,18 @@ class RedisLoadTracker(LoadTracker):
     Args:
         connections: the Redis connections (shared with the Redis index).
         namespace: key prefix.
-        recent_half_life_s: half-life of the recent-assignments signal.
         heartbeat_ttl_s: a router silent this long is dead; its leases are released.
     """
 
     def __init__(self, connections: RedisConnections, namespace: str = "prefix-router",
-                 recent_half_life_s: float = 30.0, heartbeat_ttl_s: float = 30.0,
+                 heartbeat_ttl_s: float = 30.0,
                  clock: Clock | None = None):
         self.conn = connections
         self.ns = namespace
         self.clock = clock or SystemClock()
-        self.recent_half_life_s = recent_half_life_s
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.router_id = uuid.uuid4().hex[:12]
-        self.local = MemoryLoadTracker(clock=self.clock, recent_half_life_s=recent_half_life_s)
+        self.local = MemoryLoadTracker(clock=self.clock)
         self._lease_src = load_lua("lease")
         self._route_src = load_lua("route")
         self._scripts: dict[int, tuple] = {}
@@ -96,8 +93,7 @@ class RedisLoadTracker(LoadTracker):
 
     # --- LoadTracker -------------------------------------------------------------------
     async def loads(self, replicas: Sequence[str]) -> dict[str, ReplicaLoad]:
-        import math
-        fields = [f"{r}:{k}" for r in replicas for k in "nprt"]
+        fields = [f"{r}:{k}" for r in replicas for k in "npt"]
 
         async def run(c):
             return await c.hmget(self.keys[0], fields)
@@ -106,14 +102,10 @@ class RedisLoadTracker(LoadTracker):
             vals = await self.conn.call(run)
         except IndexUnavailable:
             return self.local.loads_now(replicas)
-        now = self._now_ms()
         out = {}
         for i, r in enumerate(replicas):
-            n, p, rc, t = (float(v) if v is not None else None for v in vals[4 * i:4 * i + 4])
-            recent = rc or 0.0
-            if t is not None and now > t:
-                recent *= math.exp(-math.log(2) * (now - t) / 1000 / self.recent_half_life_s)
-            out[r] = ReplicaLoad(int(n or 0), int(p or 0), recent)
+            n, p, t = (float(v) if v is not None else 0.0 for v in vals[3 * i:3 * i + 3])
+            out[r] = ReplicaLoad(int(n), int(p), t / 1000)
         return out
 
     async def reserve(self, request_id: str, replica: str, prefill_tokens: int) -> None:
@@ -127,6 +119,7 @@ class RedisLoadTracker(LoadTracker):
             await self._s(c)[0](keys=self.keys, args=["release", request_id], client=pipe)
             pipe.hincrby(self.keys[0], f"{replica}:n", 1)
             pipe.hincrby(self.keys[0], f"{replica}:p", int(prefill_tokens))
+            pipe.hset(self.keys[0], f"{replica}:t", self._now_ms())
             pipe.hset(self.keys[1], request_id, lease)
             return await pipe.execute()
 
@@ -178,7 +171,7 @@ class RedisLoadTracker(LoadTracker):
         keys = self.keys + [k for r in replicas for k in index.replica_keys(r)]
         args = [self._now_ms(), "route", request_id, self.router_id, prompt_tokens, block_size,
                 prefill_rate, work_weight, decode_step_s_per_seq, step_token_budget, tie_abs_s,
-                tie_rel, self.recent_half_life_s, u, f"{index.ns}:", len(replicas), *replicas,
+                tie_rel, 0, u, f"{index.ns}:", len(replicas), *replicas,
                 *(int(t * 1000) for t in ttls_s), *block_hashes]
 
         async def run(c):

@@ -162,8 +162,9 @@ class PrefixAware(Policy):
     sibling's prefill is still queued where the prefix is being built.
 
     Candidates within ``tie_rel`` (relative) or ``tie_abs_s`` of the best cost are near-ties:
-    among them the replica with the most cached tokens, then the fewest recent assignments
-    (spreads cold starts when nothing is in flight, FAULTS.md 1.4), then chance.
+    among them the replica with the most cached tokens, then the one whose last assignment is
+    oldest (a rotating tie-break that spreads cold starts when nothing is in flight,
+    FAULTS.md 1.4), then chance.
 
     A miss is thus decided by load (FAULTS.md 1.1); a warm replica keeps its traffic until its
     queue costs more than the prefill it saves, judged per request (FAULTS.md 1.6): there is
@@ -207,15 +208,15 @@ class PrefixAware(Policy):
         best = min(costs.values())
         bound = best + max(self.tie_abs_s, self.tie_rel * best)
         ties = [c for c in candidates if costs[c.replica] <= bound]
-        # Among near-ties: the most cached tokens, then the fewest recent assignments,
+        # Among near-ties: the most cached tokens, then the longest since an assignment,
         # then chance.
         most_cached = max(predicted[c.replica] for c in ties)
         ties = [c for c in ties if predicted[c.replica] == most_cached]
-        least_recent = min(c.load.recent for c in ties)
-        finalists = [c for c in ties if c.load.recent <= least_recent + 0.5]
+        oldest = min(c.load.last_assigned_s for c in ties)
+        finalists = [c for c in ties if c.load.last_assigned_s <= oldest + 0.001]
         pick = finalists[int(self.rng.random() * len(finalists))]  # as lua/route.lua does
         rest = sorted((c for c in candidates if c is not pick),
-                      key=lambda c: (costs[c.replica], c.load.recent))
+                      key=lambda c: (costs[c.replica], c.load.last_assigned_s))
         ranked = [pick.replica] + [c.replica for c in rest]
         reason = "cache" if predicted[pick.replica] > 0 else "load"
         return Decision(ranked, reason, predicted,

@@ -35,6 +35,18 @@ class ReplicaInfo:
     stats: dict
 
 
+def hash_mismatches(mine: HashSettings, metadata: dict) -> list[str]:
+    """What a replica's advertised metadata contradicts in the router's hash settings: the
+    differing settings, and ``hash_probe`` when the engine's own ``BlockStored`` hashes for a
+    probe prompt differed from the router's. Empty for a replica with no metadata yet."""
+    if "hash_algo" not in metadata:
+        return []
+    bad = mine.mismatches(metadata)
+    if metadata.get("hash_probe") == "mismatch":
+        bad.append("hash_probe (the engine's BlockStored hashes differ from the router's)")
+    return bad
+
+
 class RoutingCore:
     """Decides where each request goes.
 
@@ -63,12 +75,22 @@ class RoutingCore:
         self.atomic = load if (isinstance(load, RedisLoadTracker)
                                and isinstance(index, RedisPrefixIndex)) else None
         self._mismatch_logged: set[str] = set()
+        self._restarts_seen: dict[str, int] = {}
 
     def usable(self, replica: ReplicaInfo) -> bool:
-        """Not known dead (its engine reported down, or its circuit is open)."""
+        """Not known dead (its engine reported down, or its circuit is open). A replica
+        whose engine was restarted since its failures starts with a closed circuit."""
         if replica.stats.get("engine_alive") is False:
             return False
-        return self.health is None or self.health.available(replica.replica_id)
+        if self.health is None:
+            return True
+        restarts = replica.stats.get("restarts")
+        if restarts is not None and restarts != self._restarts_seen.get(replica.replica_id,
+                                                                        restarts):
+            self.health.forget(replica.replica_id)
+        if restarts is not None:
+            self._restarts_seen[replica.replica_id] = restarts
+        return self.health.available(replica.replica_id)
 
     def compatible(self, replica: ReplicaInfo) -> bool:
         """Whether the replica's engine hashes blocks as the router does.
@@ -78,11 +100,7 @@ class RoutingCore:
         cache-aware traffic (a silent 0 % hit rate otherwise, FAULTS.md 3.2 and 3.3).
         """
         md = replica.metadata or {}
-        if "hash_algo" not in md:
-            return True
-        bad = self.hash_settings.mismatches(md)
-        if md.get("hash_probe") == "mismatch":
-            bad.append("hash_probe (the engine's BlockStored hashes differ from ours)")
+        bad = hash_mismatches(self.hash_settings, md)
         if bad and replica.replica_id not in self._mismatch_logged:
             self._mismatch_logged.add(replica.replica_id)
             logger.error(

@@ -54,12 +54,11 @@ def make_load_tracker(settings: Settings):
 
         return shared(f"load:{settings.redis_url}:{settings.index_namespace}",
                       lambda: RedisLoadTracker(redis_connections(settings),
-                                               settings.index_namespace,
-                                               recent_half_life_s=settings.recent_window_s))
+                                               settings.index_namespace))
     from router.load import MemoryLoadTracker
 
     return shared(f"load:{settings.index_namespace}",
-                  lambda: MemoryLoadTracker(recent_half_life_s=settings.recent_window_s))
+                  MemoryLoadTracker)
 
 
 def make_index(settings: Settings):

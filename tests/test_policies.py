@@ -89,8 +89,8 @@ async def test_misses_are_decided_by_load_not_by_cache_size():
 
 
 async def test_paced_sessions_split_cold_starts_and_keep_affinity():
-    """FAULTS.md 1.4: one request in flight at a time; first turns still spread (the recent
-    assignments signal), follow-ups stay on their session's replica."""
+    """FAULTS.md 1.4: one request in flight at a time; first turns still spread (the
+    rotating tie-break), follow-ups stay on their session's replica."""
     core, clock = make_core()
     firsts, affinity = [], []
     for s in range(40):

@@ -255,9 +255,11 @@ def test_disconnects_leak_no_load(faults_app, own_redis, tokenizer):
         c = own_redis.client()
         raise AssertionError((c.hgetall(f"{faults_ns()}:load"),
                               c.hgetall(f"{faults_ns()}:leases")))
-    for r in replicas(faults_app):
-        state = httpx.get(r["metadata"]["engine_url"] + "/sim/state").json()
-        assert state["running"] == 0 and state["waiting"] == 0, state
+    def engines_idle():
+        states = [httpx.get(r["metadata"]["engine_url"] + "/sim/state").json()
+                  for r in replicas(faults_app)]
+        return all(s["running"] == 0 and s["waiting"] == 0 for s in states)
+    wait_until(engines_idle, 5, 0.2, "the engines to abort every abandoned request")
 
 
 def test_shared_load_counts_every_routers_requests(faults_app, own_redis, tokenizer):
@@ -415,7 +417,11 @@ def _requests_total(text: str) -> float:
 
 def test_metrics_of_three_ingress_processes_add_up(faults_app):
     """Counters are recorded through Ray's metrics API: the export sums every process."""
-    before = _requests_total(faults_app.client.get("/metrics").text)
+    def stable():  # no straggler of an earlier test still adding to the counter
+        a = _requests_total(faults_app.client.get("/metrics").text)
+        time.sleep(11)  # longer than the exporter's reporting period
+        return (a,) if a == _requests_total(faults_app.client.get("/metrics").text) else None
+    (before,) = wait_until(stable, 60, 0.1, "a stable counter")
     n = 24
     for i in range(n):
         with httpx.Client(base_url=faults_app.url, timeout=30) as c:  # new connections spread

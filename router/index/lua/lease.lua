@@ -43,7 +43,7 @@ elseif op == 'purge' then
     local r = parse(all[k + 1])
     if r == ARGV[2] then redis.call('HDEL', leases, all[k]) end
   end
-  redis.call('HDEL', load, ARGV[2] .. ':n', ARGV[2] .. ':p', ARGV[2] .. ':r', ARGV[2] .. ':t')
+  redis.call('HDEL', load, ARGV[2] .. ':n', ARGV[2] .. ':p', ARGV[2] .. ':t')
   return 1
 end
 return redis.error_reply('unknown op ' .. tostring(op))

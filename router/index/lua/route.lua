@@ -9,13 +9,13 @@
 -- 64 hashes at a time that stop at its first missing block, so the cost grows with the
 -- candidates' matched lengths, not with the prompt length times the replica count.
 --
--- KEYS[1]: load hash (<replica>:n in flight, :p queued prefill tokens, :r recent, :t time)
+-- KEYS[1]: load hash (<replica>:n in flight, :p queued prefill tokens, :t last assignment ms)
 -- KEYS[2]: lease hash (request id -> "replica|prefill|done|router")
 -- KEYS[3..]: per candidate, its exact hash then its predicted hash
 -- ARGV: 1 now_ms, 2 mode ("lookup" | "route"), 3 request_id, 4 router_id,
 --       5 prompt_tokens, 6 block_size, 7 prefill_rate (tokens/s), 8 work_weight,
 --       9 decode_step_s_per_seq, 10 step_token_budget, 11 tie_abs_s, 12 tie_rel,
---       13 recent_half_life_s, 14 u (uniform random in [0,1)), 15 key prefix "<ns>:",
+--       13 (unused), 14 u (uniform random in [0,1)), 15 key prefix "<ns>:",
 --       16 n_candidates, then n candidate ids, then per candidate its predicted TTL (ms),
 --       then the request's block hashes in prompt order
 -- Returns: {chosen index (1-based, 0 in lookup mode), matched blocks per candidate...}
@@ -60,7 +60,7 @@ end
 local P = tonumber(ARGV[5]); local bs = tonumber(ARGV[6]); local rate = tonumber(ARGV[7])
 local ww = tonumber(ARGV[8]); local dstep = tonumber(ARGV[9]); local budget = tonumber(ARGV[10])
 local tie_abs = tonumber(ARGV[11]); local tie_rel = tonumber(ARGV[12])
-local half = tonumber(ARGV[13]); local u = tonumber(ARGV[14]); local prefix = ARGV[15]
+local u = tonumber(ARGV[14]); local prefix = ARGV[15]
 local load = KEYS[1]; local leases = KEYS[2]
 local req = ARGV[3]
 
@@ -73,15 +73,13 @@ if old then
   redis.call('HDEL', leases, req)
 end
 
-local cost, cached, recent = {}, {}, {}
+local cost, cached, last = {}, {}, {}
 local best = nil
 for j = 1, nc do
   local r = cands[j]
-  local v = redis.call('HMGET', load, r .. ':n', r .. ':p', r .. ':r', r .. ':t')
+  local v = redis.call('HMGET', load, r .. ':n', r .. ':p', r .. ':t')
   local n = tonumber(v[1] or '0'); local q = tonumber(v[2] or '0')
-  local rc = tonumber(v[3] or '0'); local rt = tonumber(v[4] or tostring(now))
-  if now > rt then rc = rc * math.exp(-math.log(2) * (now - rt) / 1000 / half) end
-  recent[j] = rc
+  last[j] = tonumber(v[3] or '0')
   local hit = 0
   if P > 0 then hit = math.min(matched[j], math.floor((P - 1) / bs)) * bs end
   cached[j] = hit
@@ -92,19 +90,20 @@ for j = 1, nc do
   if not best or cost[j] < best then best = cost[j] end
 end
 
--- 3. near-ties: most cached, then fewest recent (within 0.5), then u over candidate order
+-- 3. near-ties: most cached, then the oldest last assignment (within 1 ms), then u over
+--    candidate order
 local bound = best + math.max(tie_abs, tie_rel * best)
 local most = -1
 for j = 1, nc do if cost[j] <= bound and cached[j] > most then most = cached[j] end end
-local least = nil
+local oldest = nil
 for j = 1, nc do
-  if cost[j] <= bound and cached[j] == most and (not least or recent[j] < least) then
-    least = recent[j]
+  if cost[j] <= bound and cached[j] == most and (not oldest or last[j] < oldest) then
+    oldest = last[j]
   end
 end
 local finalists = {}
 for j = 1, nc do
-  if cost[j] <= bound and cached[j] == most and recent[j] <= least + 0.5 then
+  if cost[j] <= bound and cached[j] == most and last[j] <= oldest + 1 then
     finalists[#finalists + 1] = j
   end
 end
@@ -115,7 +114,7 @@ local chosen = cands[pick]
 local unc = math.max(P - cached[pick], 0)
 redis.call('HINCRBY', load, chosen .. ':n', 1)
 redis.call('HINCRBY', load, chosen .. ':p', unc)
-redis.call('HSET', load, chosen .. ':r', tostring(recent[pick] + 1), chosen .. ':t', now)
+redis.call('HSET', load, chosen .. ':t', now)
 redis.call('HSET', leases, req, chosen .. '|' .. unc .. '|0|' .. ARGV[4])
 
 -- 5. predicted entries for the chosen replica (as record_predicted.lua)
