@@ -33,7 +33,7 @@ from router import metrics, state
 from router.config import Settings
 from router.errors import OpenAIError, bad_request, no_replicas
 from router.hashing import BlockHasher
-from router.policies import POLICIES
+from router.policies import LIVE_POLICIES
 from router.prompts import CHAT_PATH, COMPLETIONS_PATH, PromptRenderer
 from router.protocol import ReplicaHead, RoutedRequest
 
@@ -226,9 +226,9 @@ class IngressCore:
             raise no_replicas()
         req = await self.prepare(path, raw)
         if policy:
-            if policy not in POLICIES:
+            if policy not in LIVE_POLICIES:
                 raise bad_request(f"unknown routing policy {policy!r}; choose from "
-                                  f"{sorted(POLICIES)}", "x-routing-policy")
+                                  f"{sorted(LIVE_POLICIES)}", "x-routing-policy")
             req.policy = policy
         route = path.rsplit("/", 1)[-1]
         for attempt in (1, 2):

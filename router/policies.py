@@ -31,6 +31,9 @@ class Candidate:
         kv_usage_frac: the engine's KV cache usage (0..1) if known.
         healthy_penalty_s: extra cost for a replica recently failing requests (circuit
             breaker); ``math.inf`` when open.
+        waiting: the engine's waiting queue (``vllm:num_requests_waiting``), for llm-d.
+        active_blocks: KV blocks of the requests in flight there (router-tracked), for
+            Dynamo's decode term.
     """
 
     replica: str
@@ -40,17 +43,24 @@ class Candidate:
     decode_step_s_per_seq: float = 30e-6
     kv_usage_frac: float | None = None
     healthy_penalty_s: float = 0.0
+    waiting: int = 0
+    active_blocks: int = 0
 
 
 @dataclass
 class RouteRequest:
     """The request as a policy sees it: ``prompt_tokens`` long, cut into ``block_size``
-    blocks of which the index knows ``len(block_hashes)``."""
+    blocks, ``num_blocks`` of them full. The anchors' re-implementations also read
+    ``text`` (the prompt's characters, as SGLang's and Ray's matchers see them),
+    ``first_user_text`` (KubeAI's key) and ``lora`` (the adapter name)."""
 
     prompt_tokens: int
     block_size: int
     num_blocks: int
     cacheable: bool = True
+    text: str = ""
+    first_user_text: str = ""
+    lora: str | None = None
 
 
 @dataclass
@@ -91,6 +101,10 @@ class Policy(ABC):
     @abstractmethod
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         """Rank ``candidates`` (non-empty) for ``request``."""
+
+    def on_routed(self, request: RouteRequest, replica: str, now: float) -> None:
+        """The request went to ``replica`` at time ``now`` (policies that learn from their
+        own decisions, e.g. radix trees, record it here)."""
 
     def _predicted(self, request: RouteRequest, candidates: Sequence[Candidate]) -> dict[str, int]:
         return {c.replica: cached_tokens(c.matched_blocks, request.prompt_tokens,
@@ -225,6 +239,9 @@ class PrefixAware(Policy):
 
 POLICIES: dict[str, type[Policy]] = {p.name: p for p in (PrefixAware, RoundRobin, Random,
                                                           LeastLoaded)}
+LIVE_POLICIES = tuple(POLICIES)
+"""Policies the live router runs (the anchors' re-implementations need the prompt text and
+run in the simulator)."""
 
 
 def make_policy(name: str, rng: random.Random | None = None, **kwargs) -> Policy:
@@ -233,6 +250,7 @@ def make_policy(name: str, rng: random.Random | None = None, **kwargs) -> Policy
     Raises:
         ValueError: unknown name (the message lists the known ones).
     """
+    import router.anchor_policies  # noqa: F401  (registers the anchors' policies)
     try:
         cls = POLICIES[name]
     except KeyError:
