@@ -111,11 +111,13 @@ class RoutingCore:
 
     async def decide(self, request_id: str, prompt_tokens: int, block_hashes: Sequence[int],
                      replicas: Sequence[ReplicaInfo], cacheable: bool = True,
-                     policy: Policy | None = None, _fallback: bool = False) -> Decision:
+                     policy: Policy | None = None, _fallback: bool = False,
+                     text: str = "", first_user_text: str = "") -> Decision:
         """Choose a replica among ``replicas`` (non-empty) and reserve its load.
 
         Args:
             policy: overrides the core's policy for this decision.
+            text / first_user_text: the prompt's characters, for the anchors' policies.
         Returns:
             The policy's ``Decision``; ``reason`` is ``fallback`` when the index failed.
         """
@@ -148,11 +150,15 @@ class RoutingCore:
             Candidate(replica=r.replica_id, matched_blocks=matched.get(r.replica_id, 0),
                       load=loads[r.replica_id], prefill_tokens_per_s=rate,
                       decode_step_s_per_seq=self.settings.decode_step_s,
-                      kv_usage_frac=r.stats.get("kv_usage_frac"))
+                      kv_usage_frac=r.stats.get("kv_usage_frac"),
+                      waiting=int(r.stats.get("waiting") or 0),
+                      active_blocks=int(r.stats.get("active_blocks") or 0))
             for r in pool]
         req = RouteRequest(prompt_tokens=prompt_tokens, block_size=self.hash_settings.block_size,
-                           num_blocks=len(block_hashes), cacheable=cacheable)
+                           num_blocks=len(block_hashes), cacheable=cacheable, text=text,
+                           first_user_text=first_user_text)
         decision = policy.choose(req, candidates)
+        policy.on_routed(req, decision.replica, self.load.clock.now())
         if index_failed:
             decision.reason = "fallback"
         chosen = decision.replica

@@ -42,6 +42,8 @@ class SimRequest:
         block_hashes: the prompt's full-block hashes (computed on admission if empty; a
             trace replay may pass them directly).
         cache_salt: mixed into block 0's hash.
+        output_plan: the token ids to "generate" (a trace's next turn then reuses the
+            blocks the engine cached for this answer); random ids when None.
     """
 
     request_id: str
@@ -51,6 +53,7 @@ class SimRequest:
     cache_salt: str | None = None
     arrival_s: float = 0.0
     digests: list[bytes] = field(default_factory=list)
+    output_plan: list[int] | None = None
     # state
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -263,10 +266,53 @@ class SimEngine:
         return StepResult(duration, prefill, decode, first, new_tokens, finished)
 
     def _next_token(self, req: SimRequest) -> int:
+        k = len(req.output_token_ids)
+        if req.output_plan is not None and k < len(req.output_plan):
+            return req.output_plan[k]
         # Deterministic "sampling": a function of the request and position (ids 100.. avoid
         # special tokens of the generated tokenizer).
-        x = (hash((req.request_id, len(req.output_token_ids))) & 0x7FFFFFFF)
+        x = (hash((req.request_id, k)) & 0x7FFFFFFF)
         return 100 + x % max(self.config.vocab_size - 200, 1)
+
+    def decode_run(self, max_steps: int) -> StepResult | None:
+        """Advance up to ``max_steps`` pure-decode steps at once, exactly as step by step
+        would: only when nothing waits and every running request decodes, for as many steps
+        as no request finishes and the pool has the blocks; the duration is the sum of the
+        steps' modelled times (context grows by one token per sequence per step). Returns
+        None when a single step is needed instead."""
+        if self.waiting or not self.running or max_steps < 2:
+            return None
+        if any(r.in_prefill for r in self.running):
+            return None
+        k = min(max_steps, min(r.max_tokens - len(r.output_token_ids) for r in self.running))
+        if k < 2:
+            return None
+        bs = self.config.block_size
+        need = sum(max(math.ceil((r.num_computed_tokens + k) / bs) - len(r.blocks), 0)
+                   for r in self.running)
+        if need > self.pool.num_free_blocks:
+            return None
+        n = len(self.running)
+        ctx0 = sum(r.num_computed_tokens + 1 for r in self.running)
+        m = self.step_model
+        duration = (k * (m.a_s + m.c_s_per_seq * n)
+                    + m.d_s_per_context_token * (k * ctx0 + n * k * (k - 1) / 2))
+        new_tokens, finished = [], []
+        for req in list(self.running):
+            self._allocate(req, k)
+            for _ in range(k):
+                req.num_computed_tokens += 1
+                tok = self._next_token(req)
+                req.output_token_ids.append(tok)
+                new_tokens.append((req, tok))
+            self.generation_tokens_total += k
+            self._cache_blocks(req)
+            if len(req.output_token_ids) >= req.max_tokens:
+                self.running.remove(req)
+                self._finish(req)
+                finished.append(req)
+        self.steps += k
+        return StepResult(duration, 0, n, [], new_tokens, finished)
 
     def _cache_blocks(self, req: SimRequest) -> None:
         """Cache the request's newly full blocks (prompt and generated tokens)."""

@@ -1,0 +1,181 @@
+"""Workloads for the policy benchmark, each a list of ``WorkloadRequest`` (deterministic per
+seed). Shapes follow their sources:
+
+* ``sglang_gsp``: SGLang ``bench_serving --dataset-name generated-shared-prefix`` defaults:
+  64 groups x 16 prompts, 2,048-token system prompt, 128-token question, 256 output tokens.
+* ``llmd_b2b``: llm-d's "B2B SaaS" capacity benchmark (llm-d/llm-d-kv-cache
+  ``benchmarking/73-capacity``): 150 groups x 5 prompts, 6,000-token system prompt,
+  1,200-token question, 1,000 output tokens; Poisson arrivals.
+* ``mooncake``: Mooncake FAST'25 conversation trace (``../shared/data/mooncake``, Apache-2.0):
+  its timestamps (optionally sped up), lengths and 512-token hash blocks. Block hashes are
+  taken from the trace's block ids (exact at that granularity: run it with block size 512).
+* ``multiturn``: MT-Bench questions (FastChat, Apache-2.0) as growing multi-turn chats of many
+  concurrent users; each answer's tokens are part of the next turn's prompt.
+* ``control``: unique prompts, nothing shared.
+* ``bursty``: arrival times and lengths of the Azure LLM inference 2023 code trace
+  (``../shared/data/azure-llm-2023``, CC-BY-4.0) over 20 shared repository contexts.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+from datetime import datetime
+from pathlib import Path
+from typing import Sequence
+
+from loadtest.sim import WorkloadRequest, block_tokens
+
+ROOT = Path(__file__).resolve().parent.parent
+SHARED_DATA = ROOT.parent / "shared" / "data"
+MT_BENCH = ROOT / "loadtest" / "data" / "mt-bench" / "question.jsonl"
+
+
+def _poisson_times(n: int, rate: float, rng: random.Random) -> list[float]:
+    t, out = 0.0, []
+    for _ in range(n):
+        t += rng.expovariate(rate)
+        out.append(t)
+    return out
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [100 + rng.randrange(30000) for _ in range(n)]
+
+
+def shared_prefix(groups: int, per_group: int, system: int, question: int, output: int,
+                  rate: float, seed: int) -> list[WorkloadRequest]:
+    """Groups sharing a system prompt; prompts shuffled over time; Poisson arrivals."""
+    rng = random.Random(seed)
+    systems = [_tokens(rng, system) for _ in range(groups)]
+    prompts = [(g, _tokens(rng, question)) for g in range(groups) for _ in range(per_group)]
+    rng.shuffle(prompts)
+    times = _poisson_times(len(prompts), rate, rng)
+    return [WorkloadRequest(t, systems[g] + q, output, first_user_text=_text(q))
+            for t, (g, q) in zip(times, prompts)]
+
+
+def sglang_gsp(rate: float = 8.0, seed: int = 0) -> list[WorkloadRequest]:
+    return shared_prefix(64, 16, 2048, 128, 256, rate, seed)
+
+
+def llmd_b2b(rate: float = 15.0, seed: int = 0) -> list[WorkloadRequest]:
+    return shared_prefix(150, 5, 6000, 1200, 1000, rate, seed)
+
+
+def control(rate: float = 10.0, n: int = 1000, seed: int = 0) -> list[WorkloadRequest]:
+    rng = random.Random(seed)
+    times = _poisson_times(n, rate, rng)
+    out = []
+    for t in times:
+        toks = _tokens(rng, rng.randrange(256, 4096))
+        out.append(WorkloadRequest(t, toks, 128, first_user_text=_text(toks)))
+    return out
+
+
+def _text(tokens: Sequence[int]) -> str:
+    from loadtest.sim import tokens_to_text
+    return tokens_to_text(tokens[:100])
+
+
+def _words_to_tokens(text: str) -> list[int]:
+    import zlib
+    return [100 + zlib.crc32(w.encode()) % 30000 for w in text.split()]
+
+
+def multiturn(users: int = 128, turns: int = 6, rate_users: float = 4.0,
+              think_s: float = 20.0, output: int = 200, system_tokens: int = 1000,
+              seed: int = 0) -> list[WorkloadRequest]:
+    """Users arrive at ``rate_users``/s; each holds a chat of ``turns`` MT-Bench questions
+    with ~``think_s`` s between turns; a system prompt shared by all users."""
+    rng = random.Random(seed)
+    questions = [t for line in MT_BENCH.read_text().splitlines()
+                 for t in json.loads(line)["turns"]]
+    system = _tokens(rng, system_tokens)
+    out = []
+    starts = _poisson_times(users, rate_users, rng)
+    for u, t0 in enumerate(starts):
+        history = list(system)
+        t = t0
+        for k in range(turns):
+            q = _words_to_tokens(rng.choice(questions)) * 3  # ~ tokens of a question
+            prompt = history + q
+            answer = _tokens(rng, output)
+            out.append(WorkloadRequest(t, prompt, output, first_user_text=_text(q),
+                                       output_plan=answer, session=f"u{u}"))
+            history = prompt + answer
+            t += think_s * (0.5 + rng.random())
+    return out
+
+
+def mooncake(speed: float = 1.0, limit: int | None = None,
+             path: Path | None = None) -> list[WorkloadRequest]:
+    """The conversation trace at ``speed`` times its pace (block size 512)."""
+    path = path or SHARED_DATA / "mooncake" / "conversation_trace.jsonl"
+    out = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if limit is not None and i >= limit:
+            break
+        row = json.loads(line)
+        n = row["input_length"]
+        ids = row["hash_ids"]
+        toks = LazyBlockTokens(ids, n, 512)
+        full = n // 512
+        out.append(WorkloadRequest(row["timestamp"] / 1000.0 / speed, toks,
+                                   max(row["output_length"], 1),
+                                   first_user_text=f"mc{ids[0]}",
+                                   block_hashes=[h + 1 for h in ids[:full]]))
+    return out
+
+
+class LazyBlockTokens(Sequence[int]):
+    """A trace prompt's token ids, materialised per 512-token block only when read."""
+
+    def __init__(self, block_ids: list[int], length: int, block_size: int):
+        self.block_ids, self.length, self.bs = block_ids, length, block_size
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.length))]
+        if i < 0:
+            i += self.length
+        b = i // self.bs
+        return block_tokens(self.block_ids[b] if b < len(self.block_ids) else -b, self.bs)[i % self.bs]
+
+    def __add__(self, other):
+        return list(self) + list(other)
+
+
+def bursty(n: int | None = 2000, contexts: int = 20, seed: int = 0,
+           path: Path | None = None) -> list[WorkloadRequest]:
+    """Azure code-trace arrivals and lengths; prompts start with one of ``contexts`` shared
+    repository contexts (up to 3,000 tokens) and end with a unique part."""
+    path = path or SHARED_DATA / "azure-llm-2023" / "AzureLLMInferenceTrace_code.csv"
+    rng = random.Random(seed)
+    ctx = [_tokens(rng, rng.randrange(1000, 3000)) for _ in range(contexts)]
+    rows = list(csv.DictReader(path.open()))
+    if n is not None:
+        rows = rows[:n]
+    t0 = _ts(rows[0]["TIMESTAMP"])
+    out = []
+    for row in rows:
+        total = int(row["ContextTokens"])
+        c = ctx[rng.randrange(contexts)]
+        shared = c[:min(len(c), total // 2)]
+        toks = shared + _tokens(rng, max(total - len(shared), 1))
+        out.append(WorkloadRequest(_ts(row["TIMESTAMP"]) - t0, toks,
+                                   max(int(row["GeneratedTokens"]), 1),
+                                   first_user_text=_text(toks[len(shared):])))
+    return out
+
+
+def _ts(s: str) -> float:
+    return datetime.strptime(s[:26], "%Y-%m-%d %H:%M:%S.%f").timestamp()
+
+
+WORKLOADS = {"sglang_gsp": sglang_gsp, "llmd_b2b": llmd_b2b, "multiturn": multiturn,
+             "control": control, "bursty": bursty, "mooncake": mooncake}
