@@ -105,11 +105,13 @@ async def test_removal_of_unknown_block_is_ignored(index):
     assert (await index.lookup([99], ["A"]))["A"] == 1
 
 
-async def test_all_blocks_cleared_drops_only_that_replicas_exact_entries(index):
+async def test_all_blocks_cleared_drops_only_that_replicas_entries(index):
     await index.apply_events("A", [stored(1, 2)])
     await index.apply_events("B", [stored(1, 2)])
+    await index.record_predicted("A", [1, 2, 3], ttl_s=60)
+    await index.record_predicted("B", [1, 2, 3], ttl_s=60)
     await index.apply_events("A", [KVEvent("cleared")])
-    assert await index.lookup([1, 2], ["A", "B"]) == {"A": 0, "B": 2}
+    assert await index.lookup([1, 2, 3], ["A", "B"]) == {"A": 0, "B": 3}
     await index.apply_events("A", [stored(1)])  # learns again after the clear
     assert (await index.lookup([1, 2], ["A"]))["A"] == 1
 

@@ -101,7 +101,8 @@ class PrefixIndex(ABC):
 
     @abstractmethod
     async def apply_events(self, replica: str, events: Sequence[KVEvent]) -> None:
-        """Apply one engine's KV events, in order, to its exact entries."""
+        """Apply one engine's KV events, in order, to its exact entries (``AllBlocksCleared``
+        also drops the replica's predicted entries: they predate the clear)."""
 
     @abstractmethod
     async def remove_replica(self, replica: str) -> None:

@@ -126,8 +126,9 @@ class MemoryPrefixIndex(PrefixIndex):
         with self._lock:
             held = self._exact_by_replica.setdefault(replica, set())
             for ev in events:
-                if ev.kind == "cleared":
+                if ev.kind == "cleared":  # predicted entries predate the clear too
                     self._clear_exact_locked(replica)
+                    self._clear_predicted_locked(replica)
                     held = self._exact_by_replica.setdefault(replica, set())
                 elif ev.medium not in (None, "GPU"):
                     continue
@@ -171,12 +172,15 @@ class MemoryPrefixIndex(PrefixIndex):
         with self._lock:
             return len(self._exact_by_replica.get(replica, ()))
 
+    def _clear_predicted_locked(self, replica: str) -> None:
+        for h in [h for h, owners in self._predicted.items() if replica in owners]:
+            owners = self._predicted[h]
+            del owners[replica]
+            self._n_predicted -= 1
+            if not owners:
+                del self._predicted[h]
+
     async def remove_replica(self, replica: str) -> None:
         with self._lock:
             self._clear_exact_locked(replica)
-            for h in [h for h, owners in self._predicted.items() if replica in owners]:
-                owners = self._predicted[h]
-                del owners[replica]
-                self._n_predicted -= 1
-                if not owners:
-                    del self._predicted[h]
+            self._clear_predicted_locked(replica)

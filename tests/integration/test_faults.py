@@ -65,9 +65,14 @@ def faults_app(serve_http_port, model_dir, own_redis):
                   ingress_num_cpus=0.1, redis_url=own_redis.url, redis_timeout_s=0.05,
                   engine_restarts=3, kv_events_grace_s=3.0,
                   extra_engine_args=["--step-model", "0.002,0.00002,0.0005,0"])
-    wait_until(lambda: len(replicas(svc)) == 2 and all(
-        r["routing_stats"].get("engine_alive") for r in replicas(svc)), 120, 1.0,
-        "both simulated engines")
+    def ready():  # every ingress process (requests spread over them) sees both engines
+        for _ in range(6):
+            with httpx.Client(base_url=svc.url, timeout=10) as c:
+                reps = c.get("/replicas").json()["replicas"]
+            if len(reps) != 2 or not all(r["routing_stats"].get("engine_alive") for r in reps):
+                return False
+        return True
+    wait_until(ready, 120, 1.0, "both simulated engines, seen by every ingress")
     return svc
 
 
@@ -262,27 +267,70 @@ def test_disconnects_leak_no_load(faults_app, own_redis, tokenizer):
     wait_until(engines_idle, 5, 0.2, "the engines to abort every abandoned request")
 
 
-def test_shared_load_counts_every_routers_requests(faults_app, own_redis, tokenizer):
-    """FAULTS.md 12.3: 30 long streams opened through 3 ingress processes read 30, then 0."""
+ROUTES = {
+    "chat_stream": ("/v1/chat/completions", True),
+    "chat": ("/v1/chat/completions", False),
+    "completions_stream": ("/v1/completions", True),
+    "completions": ("/v1/completions", False),
+}
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+def test_shared_load_counts_every_routers_requests_on_every_route(faults_app, own_redis,
+                                                                 tokenizer, route):
+    """FAULTS.md 1.2 and 12.3: 30 long requests opened through 3 ingress processes, on each
+    inference route, read 30 in the shared load, then 0."""
+    path, stream = ROUTES[route]
     for r in replicas(faults_app):
         set_faults(r["metadata"]["engine_url"], extra_ttft_s=3.0)
-    system = make_text(100, "shared-load", tokenizer)
+    system = make_text(100, f"shared-load-{route}", tokenizer)
     results = []
 
-    def stream(i):
+    def call(i):
+        if path.endswith("chat/completions"):
+            body = chat_body(system, f"s{i}", 5, stream=stream)
+        else:
+            body = {"model": "tiny-qwen2", "prompt": system + f" s{i}", "max_tokens": 5,
+                    "stream": stream}
         with httpx.Client(base_url=faults_app.url, timeout=60) as c:
-            with c.stream("POST", "/v1/chat/completions",
-                          json=chat_body(system, f"s{i}", 5, stream=True)) as r:
+            with c.stream("POST", path, json=body) as r:
                 results.append((r.status_code, len(r.read())))
 
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(30)]
+    threads = [threading.Thread(target=call, args=(i,)) for i in range(30)]
     for t in threads:
         t.start()
-    wait_until(lambda: _load_sum(own_redis, "n") == 30, 20, 0.1, "30 in flight in Redis")
+    try:
+        wait_until(lambda: _load_sum(own_redis, "n") == 30, 20, 0.1, "30 in flight in Redis")
+    except AssertionError:
+        raise AssertionError(("in flight", _load_sum(own_redis, "n"), results))
     for t in threads:
         t.join(60)
     assert [s for s, _ in results] == [200] * 30
-    wait_until(lambda: _load_sum(own_redis, "n") == 0, 15, 0.2, "in flight back to 0")
+    wait_until(lambda: _load_sum(own_redis, "n") == 0 and _load_sum(own_redis, "p") == 0,
+               15, 0.2, "in flight back to 0")
+
+
+def test_prefix_cache_reset_clears_the_replicas_entries(faults_app, tokenizer):
+    """FAULTS.md 2.1 with the simulated engine: after a reset of A's prefix cache its next
+    engine step publishes AllBlocksCleared, and the index no longer predicts A's blocks."""
+    system = make_text(800, "reset", tokenizer)
+    a, a_url = warm(faults_app, system)
+    r = faults_app.client.post("/v1/chat/completions", json=chat_body(system, "before"))
+    assert int(r.headers["x-predicted-cached-tokens"]) >= 768
+    assert httpx.post(a_url + "/reset_prefix_cache").status_code == 200
+    # the engine publishes AllBlocksCleared at its next step: give A a request
+    for i in range(6):
+        r = faults_app.client.post("/v1/chat/completions",
+                                   json=chat_body(make_text(50, f"step-{i}"), "y"))
+        if r.headers["x-routed-replica"] == a:
+            break
+    assert r.headers["x-routed-replica"] == a
+
+    def forgotten():
+        r = faults_app.client.post("/v1/chat/completions", json=chat_body(system, "after"))
+        return r.headers["x-routed-replica"] != a or \
+            int(r.headers["x-predicted-cached-tokens"]) == 0
+    wait_until(forgotten, 10, 0.5, "A's entries gone from the index")
 
 
 def test_redis_outage_fails_no_request_and_cache_routing_resumes(faults_app, own_redis,

@@ -6,7 +6,8 @@
 --   "S" <n> <hash x n>   BlockStored from block 0: one more copy of each hash not yet held
 --                        (a run from block 0 over held blocks is a re-announcement)
 --   "r" <n> <hash x n>   BlockRemoved: one copy fewer; the entry goes at zero
---   "c"                  AllBlocksCleared: drop all exact entries of the replica
+--   "c"                  AllBlocksCleared: drop all entries of the replica (its predicted
+--                        ones predate the clear too)
 --   "x"                  replica gone: drop its exact and predicted entries
 -- Counting copies keeps an entry while the engine holds a second physical block with the
 -- same hash (vLLM does not de-duplicate blocks).
@@ -16,7 +17,7 @@ local i = 2
 while i <= #ARGV do
   local op = ARGV[i]
   if op == 'c' then
-    redis.call('DEL', xkey); i = i + 1
+    redis.call('DEL', xkey, pkey); i = i + 1
   elseif op == 'x' then
     redis.call('DEL', xkey, pkey); redis.call('SREM', KEYS[3], ARGV[1])
     purged = true; i = i + 1
