@@ -180,9 +180,18 @@ class PrefixAware(Policy):
     oldest (a rotating tie-break that spreads cold starts when nothing is in flight,
     FAULTS.md 1.4), then chance.
 
+    Bounded load: a candidate whose in-flight count would exceed
+    ``max(load_factor * (total + 1) / n, (total + 1) / n + 2)`` (``total`` = requests in flight
+    over the candidates) is passed over while any candidate is within the bound (consistent
+    hashing with bounded loads, Mirrokni et al. 2018, as KubeAI's CHWBL applies it with a
+    factor of 1.25). A hot prefix then spills to the least costly replica, which becomes warm
+    for it too: a little hit rate for a bounded imbalance, even where a busy replica's TTFT
+    would still be the lowest (decode-heavy traffic barely slows a prefill, but every request
+    on an overfull replica decodes slower).
+
     A miss is thus decided by load (FAULTS.md 1.1); a warm replica keeps its traffic until its
-    queue costs more than the prefill it saves, judged per request (FAULTS.md 1.6): there is
-    no fleet-wide imbalance switch.
+    queue costs more than the prefill it saves or it exceeds the bound, judged per request
+    (FAULTS.md 1.6): there is no fleet-wide imbalance switch.
     """
 
     name = "prefix_aware"
@@ -190,12 +199,18 @@ class PrefixAware(Policy):
 
     def __init__(self, rng: random.Random | None = None, tie_abs_s: float = 0.002,
                  tie_rel: float = 0.05, step_token_budget: int = 2048,
-                 work_weight: float = 1.0):
+                 work_weight: float = 1.0, load_factor: float = 1.25):
         super().__init__(rng)
         self.tie_abs_s = tie_abs_s
         self.tie_rel = tie_rel
         self.step_token_budget = step_token_budget
         self.work_weight = work_weight
+        self.load_factor = load_factor
+
+    def load_bound(self, candidates: Sequence[Candidate]) -> float:
+        """Largest in-flight count a candidate may have to take the request."""
+        mean = (sum(max(c.load.inflight, 0) for c in candidates) + 1) / len(candidates)
+        return max(self.load_factor * mean, mean + 2)
 
     def expected_ttft_s(self, request: RouteRequest, c: Candidate) -> float:
         """Expected time to first token on candidate ``c`` (s)."""
@@ -217,11 +232,14 @@ class PrefixAware(Policy):
         return max(request.prompt_tokens - cached, 1)
 
     def choose(self, request, candidates):
+        bound = self.load_bound(candidates)
+        within = [c for c in candidates if c.load.inflight + 1 <= bound] or list(candidates)
         costs = {c.replica: self.cost_s(request, c) for c in candidates}
         predicted = self._predicted(request, candidates)
-        best = min(costs.values())
-        bound = best + max(self.tie_abs_s, self.tie_rel * best)
-        ties = [c for c in candidates if costs[c.replica] <= bound]
+        pool = within
+        best = min(costs[c.replica] for c in pool)
+        tie_bound = best + max(self.tie_abs_s, self.tie_rel * best)
+        ties = [c for c in pool if costs[c.replica] <= tie_bound]
         # Among near-ties: the most cached tokens, then the longest since an assignment,
         # then chance.
         most_cached = max(predicted[c.replica] for c in ties)

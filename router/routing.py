@@ -181,7 +181,7 @@ class RoutingCore:
             prefill_rate=self.fleet_prefill_rate(pool), work_weight=policy.work_weight,
             decode_step_s_per_seq=self.settings.decode_step_s,
             step_token_budget=policy.step_token_budget, tie_abs_s=policy.tie_abs_s,
-            tie_rel=policy.tie_rel, u=policy.rng.random())
+            tie_rel=policy.tie_rel, u=policy.rng.random(), load_factor=policy.load_factor)
         self.index_available = True
         bs = self.hash_settings.block_size
         predicted = {r: cached_tokens(m, prompt_tokens, bs) for r, m in matched.items()}

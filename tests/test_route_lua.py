@@ -43,7 +43,8 @@ async def redis_pair(request):
 def route_kwargs(policy: PrefixAware, u: float, rate=20000.0):
     return dict(block_size=BS, prefill_rate=rate, work_weight=policy.work_weight,
                 decode_step_s_per_seq=0.005, step_token_budget=policy.step_token_budget,
-                tie_abs_s=policy.tie_abs_s, tie_rel=policy.tie_rel, u=u)
+                tie_abs_s=policy.tie_abs_s, tie_rel=policy.tie_rel, u=u,
+                load_factor=policy.load_factor)
 
 
 async def test_lua_route_chooses_as_the_python_policy(redis_pair):

@@ -15,7 +15,7 @@
 -- ARGV: 1 now_ms, 2 mode ("lookup" | "route"), 3 request_id, 4 router_id,
 --       5 prompt_tokens, 6 block_size, 7 prefill_rate (tokens/s), 8 work_weight,
 --       9 decode_step_s_per_seq, 10 step_token_budget, 11 tie_abs_s, 12 tie_rel,
---       13 (unused), 14 u (uniform random in [0,1)), 15 key prefix "<ns>:",
+--       13 load_factor (bounded load), 14 u (uniform random in [0,1)), 15 key prefix "<ns>:",
 --       16 n_candidates, then n candidate ids, then per candidate its predicted TTL (ms),
 --       then the request's block hashes in prompt order
 -- Returns: {chosen index (1-based, 0 in lookup mode), matched blocks per candidate...}
@@ -73,13 +73,16 @@ if old then
   redis.call('HDEL', leases, req)
 end
 
-local cost, cached, last = {}, {}, {}
+local cost, cached, last, inflight = {}, {}, {}, {}
 local best = nil
+local total = 0
 for j = 1, nc do
   local r = cands[j]
   local v = redis.call('HMGET', load, r .. ':n', r .. ':p', r .. ':t')
   local n = tonumber(v[1] or '0'); local q = tonumber(v[2] or '0')
   last[j] = tonumber(v[3] or '0')
+  inflight[j] = n
+  total = total + math.max(n, 0)
   local hit = 0
   if P > 0 then hit = math.min(matched[j], math.floor((P - 1) / bs)) * bs end
   cached[j] = hit
@@ -87,23 +90,38 @@ for j = 1, nc do
   local work = math.max(q, 0) + unc
   local steps = math.ceil(work / budget)
   cost[j] = work / rate + steps * dstep * math.max(n, 0) + ww * unc / rate
-  if not best or cost[j] < best then best = cost[j] end
+end
+-- bounded load: candidates that would exceed the bound are passed over while any is within
+local mean = (total + 1) / nc
+local lbound = math.max(tonumber(ARGV[13]) * mean, mean + 2)
+local within = {}
+local any_within = false
+for j = 1, nc do
+  within[j] = inflight[j] + 1 <= lbound
+  if within[j] then any_within = true end
+end
+for j = 1, nc do
+  if not any_within then within[j] = true end
+  if within[j] and (not best or cost[j] < best) then best = cost[j] end
 end
 
 -- 3. near-ties: most cached, then the oldest last assignment (within 1 ms), then u over
 --    candidate order
 local bound = best + math.max(tie_abs, tie_rel * best)
 local most = -1
-for j = 1, nc do if cost[j] <= bound and cached[j] > most then most = cached[j] end end
+for j = 1, nc do
+  if within[j] and cost[j] <= bound and cached[j] > most then most = cached[j] end
+end
 local oldest = nil
 for j = 1, nc do
-  if cost[j] <= bound and cached[j] == most and (not oldest or last[j] < oldest) then
+  if within[j] and cost[j] <= bound and cached[j] == most
+      and (not oldest or last[j] < oldest) then
     oldest = last[j]
   end
 end
 local finalists = {}
 for j = 1, nc do
-  if cost[j] <= bound and cached[j] == most and last[j] <= oldest + 1 then
+  if within[j] and cost[j] <= bound and cached[j] == most and last[j] <= oldest + 1 then
     finalists[#finalists + 1] = j
   end
 end

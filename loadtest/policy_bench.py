@@ -1,0 +1,201 @@
+"""Policy benchmark: every routing policy on every workload, in virtual time.
+
+One command runs the standard suite (each workload at one load point, plus the Mooncake
+trace at its own pace) at 8 replicas and writes a Markdown table, a JSON file and PNG plots
+(TTFT CDF per policy, hit rate against the ideals, load over time per replica under our
+policy) under ``loadtest/results/``, and the tables to ``docs/benchmarks.md``::
+
+    python -m loadtest.policy_bench                      # standard suite, 8 replicas
+    python -m loadtest.policy_bench --replicas 8 16 32   # larger fleets
+    python -m loadtest.policy_bench --workloads llmd_b2b --rates 3 15 30 60   # a rate sweep
+    python -m loadtest.policy_bench --capacity constrained   # an eighth of the KV capacity
+
+Engines follow the H200 profile of a Qwen2.5-7B-shaped model (``replicas/sim/profiles``):
+about 2.04 M tokens of KV cache per replica at 0.9 memory use ("h200"), or an eighth of it
+("constrained", where eviction matters). The same seed gives the same numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from loadtest.multiturn import RESULTS, write_benchmark_doc
+from loadtest.sim import SimConfig, simulate
+from loadtest.workloads import WORKLOADS
+from replicas.sim.engine import EngineConfig
+from replicas.sim.step_model import StepTimeModel
+
+POLICIES = ["prefix_aware", "round_robin", "random", "least_loaded", "sglang_cache_aware",
+            "ray_prefix_affinity", "dynamo_kv", "llmd_weighted", "kubeai_prefix_hash"]
+KV_TOKENS = {"h200": 2_040_000, "constrained": 2_040_000 // 8}
+# Load points of the standard suite (requests/s; users/s for multiturn; speed for the traces).
+STANDARD = {"sglang_gsp": {"rate": 120.0}, "llmd_b2b": {"rate": 30.0},
+            "multiturn": {"rate_users": 4.0}, "control": {"rate": 20.0},
+            "bursty": {}, "mooncake": {"speed": 1.0}}
+BLOCK_SIZE = {"mooncake": 512}
+
+
+def workload(name: str, rate: float | None, seed: int):
+    kwargs = dict(STANDARD[name])
+    if rate is not None:
+        key = "speed" if name == "mooncake" else ("rate_users" if name == "multiturn" else "rate")
+        kwargs[key] = rate
+    if name not in ("mooncake", "bursty"):
+        kwargs["seed"] = seed
+    return WORKLOADS[name](**kwargs), kwargs
+
+
+def run_suite(workloads: list[str], replicas: list[int], policies: list[str],
+              capacity: str, rates: list[float] | None, seed: int, progress=None) -> list[dict]:
+    model = StepTimeModel.load("h200-qwen2.5-7b")
+    rows = []
+    for n in replicas:
+        for wl in workloads:
+            for rate in (rates or [None]):
+                reqs, params = workload(wl, rate, seed)
+                bs = BLOCK_SIZE.get(wl, 16)
+                engine = EngineConfig(num_blocks=KV_TOKENS[capacity] // bs, block_size=bs,
+                                      max_num_batched_tokens=8192, max_num_seqs=256)
+                for pol in policies:
+                    t0 = time.perf_counter()
+                    res = simulate(SimConfig(pol, replicas=n, engine=engine, step_model=model,
+                                             seed=seed), reqs,
+                                   progress=(lambda k: progress(k)) if progress else None)
+                    row = res.summary()
+                    row.update({"workload": wl, "params": params, "replicas": n,
+                                "capacity": capacity, "wall_s": time.perf_counter() - t0,
+                                "ttft_cdf": _cdf(res.ttft_s),
+                                "load_samples": res.load_samples[::10]
+                                if pol == "prefix_aware" else []})
+                    rows.append(row)
+    return rows
+
+
+def _cdf(xs: list[float], points: int = 200) -> list[tuple[float, float]]:
+    xs = sorted(xs)
+    if not xs:
+        return []
+    step = max(len(xs) // points, 1)
+    return [(xs[i], (i + 1) / len(xs)) for i in range(0, len(xs), step)]
+
+
+def markdown(rows: list[dict]) -> str:
+    out = []
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["workload"], json.dumps(r["params"], sort_keys=True),
+                           r["replicas"], r["capacity"]), []).append(r)
+    for (wl, params, n, cap), rs in groups.items():
+        ours = next((r for r in rs if r["policy"] == "prefix_aware"), None)
+        out.append(f"### {wl} ({params}), {n} replicas, {cap} KV capacity\n")
+        out.append(f"Ideal hit rate: unlimited cache {rs[0]['ideal_unlimited']:.1%}, one cache "
+                   f"of the replicas' combined size {rs[0]['ideal_combined']:.1%}.\n")
+        out.append("| policy | hit rate | of combined ideal | TTFT p50 (s) | TTFT p90 (s) | "
+                   "TTFT p99 (s) | E2E p50 (s) | output tok/s | imbalance | decision p99 (µs) "
+                   "| ours' TTFT p90 / this |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+        for r in sorted(rs, key=lambda r: r["ttft_p90_s"]):
+            ratio = ours["ttft_p90_s"] / r["ttft_p90_s"] if ours and r["ttft_p90_s"] else 0
+            out.append(f"| {r['policy']} | {r['hit_rate']:.1%} | {r['hit_vs_combined']:.1%} | "
+                       f"{r['ttft_p50_s']:.3f} | {r['ttft_p90_s']:.3f} | {r['ttft_p99_s']:.3f} | "
+                       f"{r['e2e_p50_s']:.2f} | {r['output_tok_s']:.0f} | {r['imbalance']:.2f} |"
+                       f" {r['decision_p99_us']:.0f} | {ratio:.2f} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def plots(rows: list[dict], stem: Path) -> list[Path]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    paths = []
+    workloads = sorted({r["workload"] for r in rows})
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False)
+    for ax, wl in zip(axes[0], workloads):
+        for r in rows:
+            if r["workload"] == wl and r["ttft_cdf"]:
+                xs, ys = zip(*r["ttft_cdf"])
+                ax.plot(xs, ys, label=r["policy"], lw=2.2 if r["policy"] == "prefix_aware" else 1)
+        ax.set_xscale("log")
+        ax.set_title(f"TTFT CDF: {wl}")
+        ax.set_xlabel("TTFT (s)")
+        ax.grid(alpha=.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(stem.with_name(stem.name + "-ttft-cdf.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 4), squeeze=False)
+    for ax, wl in zip(axes[0], workloads):
+        rs = [r for r in rows if r["workload"] == wl]
+        ax.barh([r["policy"] for r in rs], [r["hit_rate"] for r in rs])
+        ax.axvline(rs[0]["ideal_combined"], color="k", ls="--", label="combined-size ideal")
+        ax.axvline(rs[0]["ideal_unlimited"], color="r", ls=":", label="unlimited ideal")
+        ax.set_title(f"hit rate: {wl}")
+        ax.set_xlim(0, 1)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    paths.append(stem.with_name(stem.name + "-hit-rate.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(workloads), figsize=(5 * len(workloads), 3.5), squeeze=False)
+    for ax, wl in zip(axes[0], workloads):
+        r = next((r for r in rows if r["workload"] == wl and r["load_samples"]), None)
+        if r:
+            ts = [t for t, _ in r["load_samples"]]
+            for k in range(len(r["load_samples"][0][1])):
+                ax.plot(ts, [v[k] for _, v in r["load_samples"]], lw=.8)
+        ax.set_title(f"in flight per replica (ours): {wl}")
+        ax.set_xlabel("virtual time (s)")
+    fig.tight_layout()
+    paths.append(stem.with_name(stem.name + "-load.png"))
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--workloads", nargs="+", default=list(STANDARD), choices=list(STANDARD))
+    ap.add_argument("--replicas", nargs="+", type=int, default=[8])
+    ap.add_argument("--policies", nargs="+", default=POLICIES)
+    ap.add_argument("--capacity", choices=list(KV_TOKENS), default="h200")
+    ap.add_argument("--rates", nargs="+", type=float, default=None,
+                    help="load points (req/s; users/s for multiturn; speed for mooncake)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-doc", action="store_true")
+    a = ap.parse_args(argv)
+    from rich.progress import Progress
+    total = 0
+    for wl in a.workloads:
+        total += len(workload(wl, None, a.seed)[0]) * len(a.rates or [None])
+    total *= len(a.policies) * len(a.replicas)
+    t0 = time.time()
+    with Progress() as bar:
+        task = bar.add_task("simulating", total=total)
+        rows = run_suite(a.workloads, a.replicas, a.policies, a.capacity, a.rates, a.seed,
+                         progress=lambda k: bar.advance(task, k))
+    elapsed = time.time() - t0
+    RESULTS.mkdir(exist_ok=True)
+    stem = RESULTS / f"policy-bench-{a.capacity}-{int(time.time())}"
+    stem.with_suffix(".json").write_text(json.dumps(rows, indent=1))
+    table = markdown(rows)
+    stem.with_suffix(".md").write_text(table)
+    pngs = plots(rows, stem)
+    print(table)
+    print(f"suite: {elapsed:.0f} s; wrote {stem}.json, .md and {', '.join(p.name for p in pngs)}")
+    if not a.no_doc:
+        cmd = "python -m loadtest.policy_bench " + " ".join(argv if argv is not None else
+                                                            __import__("sys").argv[1:])
+        write_benchmark_doc(f"Routing policies in virtual time ({a.capacity} KV capacity)",
+                            cmd.strip(), table + f"\nSuite wall time: {elapsed:.0f} s.")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
