@@ -177,26 +177,33 @@ class Simulation:
             heapq.heappush(heap, (t, seq, kind, payload))
             seq += 1
 
-        for i, r in enumerate(sorted(requests, key=lambda r: r.arrival_s)):
-            push(r.arrival_s, "arrive", (i, r))
-        push(0.0, "sample", None)
+        arrivals = sorted(requests, key=lambda r: r.arrival_s)
+        next_arrival = 0  # arrivals are read in order, outside the heap
         ttft, e2e, decision = [], [], []
         meta: dict[str, tuple] = {}
         per_replica = {n: 0 for n in self.names}
         cached = prompt = out_tokens = 0
         samples: list[tuple[float, list[int]]] = []
-        done = 0
+        next_sample = arrivals[0].arrival_s if arrivals else 0.0
         last_t = 0.0
-        pending_arrivals = len(requests)
         bs = cfg.engine.block_size
 
-        while heap:
-            t, _, kind, payload = heapq.heappop(heap)
+        while heap or next_arrival < len(arrivals):
+            t_arr = arrivals[next_arrival].arrival_s if next_arrival < len(arrivals) \
+                else float("inf")
+            if heap and heap[0][0] <= t_arr:
+                t, _, kind, payload = heapq.heappop(heap)
+            else:
+                t, kind, payload = t_arr, "arrive", (next_arrival, arrivals[next_arrival])
+                next_arrival += 1
+            # in-flight counts change only at events: sample the state before this one
+            while next_sample <= t:
+                samples.append((next_sample, [self.inflight[n] for n in self.names]))
+                next_sample += cfg.sample_period_s
             self.clock.t = t
             last_t = max(last_t, t)
             if kind == "arrive":
                 i, r = payload
-                pending_arrivals -= 1
                 rid = f"q{i}"
                 infos = [ReplicaInfo(n, {}, {"waiting": self.engines[n].num_waiting,
                                              "kv_usage_frac": self.engines[n].pool.usage,
@@ -226,12 +233,11 @@ class Simulation:
                 if not eng.has_work:
                     self.busy[rep] = False
                     continue
-                horizon = heap[0][0] - t if heap else float("inf")
-                res = None
-                if horizon > 0:
-                    est = eng.step_model.a_s + eng.step_model.c_s_per_seq * eng.num_running
-                    res = eng.decode_run(int(min(horizon / max(est, 1e-6), 100_000)))
-                res = res or eng.step()
+                # Only an arrival can change this engine's batch before its next step: run
+                # pure decode in bulk up to the next arrival.
+                t_next = arrivals[next_arrival].arrival_s if next_arrival < len(arrivals) \
+                    else float("inf")
+                res = eng.decode_run(1_000_000, t_next - t) or eng.step()
                 push(t + max(res.duration_s, 1e-6), "step_end", (rep, res))
             elif kind == "step_end":
                 rep, res = payload
@@ -248,7 +254,6 @@ class Simulation:
                     _, _, nb = meta.pop(req.request_id)
                     self.inflight[rep] -= 1
                     self.active_blocks[rep] -= nb
-                    done += 1
                     if progress:
                         progress(1)
                 events = eng.take_events()
@@ -258,10 +263,6 @@ class Simulation:
             elif kind == "events":
                 rep, events = payload
                 self.index.apply_events_now(rep, events)
-            elif kind == "sample":
-                samples.append((t, [self.inflight[n] for n in self.names]))
-                if pending_arrivals or any(self.inflight.values()):
-                    push(t + cfg.sample_period_s, "sample", None)
 
         ratios = [max(v) / (sum(v) / len(v)) for _, v in samples if sum(v) > 0]
         capacity = cfg.engine.num_blocks * cfg.replicas

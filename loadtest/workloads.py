@@ -138,13 +138,27 @@ class LazyBlockTokens(Sequence[int]):
     def __len__(self) -> int:
         return self.length
 
+    def _block(self, b: int) -> list[int]:
+        return block_tokens(self.block_ids[b] if b < len(self.block_ids) else -1 - b, self.bs)
+
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return [self[j] for j in range(*i.indices(self.length))]
+            start, stop, step = i.indices(self.length)
+            if step != 1:
+                return [self[j] for j in range(start, stop, step)]
+            out: list[int] = []
+            b = start // self.bs
+            while start < stop:
+                blk = self._block(b)
+                lo = start - b * self.bs
+                hi = min(stop - b * self.bs, self.bs)
+                out += blk[lo:hi]
+                start = (b + 1) * self.bs
+                b += 1
+            return out
         if i < 0:
             i += self.length
-        b = i // self.bs
-        return block_tokens(self.block_ids[b] if b < len(self.block_ids) else -b, self.bs)[i % self.bs]
+        return self._block(i // self.bs)[i % self.bs]
 
     def __add__(self, other):
         return list(self) + list(other)

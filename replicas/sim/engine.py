@@ -103,6 +103,16 @@ class EngineConfig:
     vocab_size: int = 8000
 
 
+def _token_span(req: SimRequest, start: int, end: int) -> list[int]:
+    """Tokens ``start:end`` of the request's prompt followed by its output (without
+    building the whole sequence: trace prompts are materialised lazily)."""
+    p = len(req.prompt_token_ids)
+    out = list(req.prompt_token_ids[start:min(end, p)]) if start < p else []
+    if end > p:
+        out += req.output_token_ids[max(start - p, 0):end - p]
+    return out
+
+
 class SimEngine:
     """One simulated engine (block pool + scheduler + step-time model)."""
 
@@ -274,17 +284,35 @@ class SimEngine:
         x = (hash((req.request_id, k)) & 0x7FFFFFFF)
         return 100 + x % max(self.config.vocab_size - 200, 1)
 
-    def decode_run(self, max_steps: int) -> StepResult | None:
-        """Advance up to ``max_steps`` pure-decode steps at once, exactly as step by step
-        would: only when nothing waits and every running request decodes, for as many steps
-        as no request finishes and the pool has the blocks; the duration is the sum of the
-        steps' modelled times (context grows by one token per sequence per step). Returns
-        None when a single step is needed instead."""
+    def decode_run(self, max_steps: int, max_duration_s: float = math.inf
+                   ) -> StepResult | None:
+        """Advance up to ``max_steps`` pure-decode steps (lasting at most ``max_duration_s``
+        together) at once, exactly as step by step would: only when nothing waits and every
+        running request decodes, for as many steps as no request finishes and the pool has
+        the blocks; the duration is the sum of the steps' modelled times (context grows by one
+        token per sequence per step). Returns None when a single step is needed instead."""
         if self.waiting or not self.running or max_steps < 2:
             return None
         if any(r.in_prefill for r in self.running):
             return None
+        n = len(self.running)
+        ctx0 = sum(r.num_computed_tokens + 1 for r in self.running)
+        m = self.step_model
+
+        def duration(k: int) -> float:
+            return (k * (m.a_s + m.c_s_per_seq * n)
+                    + m.d_s_per_context_token * (k * ctx0 + n * k * (k - 1) / 2))
+
         k = min(max_steps, min(r.max_tokens - len(r.output_token_ids) for r in self.running))
+        if duration(k) > max_duration_s:
+            lo, hi = 0, k  # largest k with duration(k) <= max_duration_s
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if duration(mid) <= max_duration_s:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            k = lo
         if k < 2:
             return None
         bs = self.config.block_size
@@ -292,11 +320,6 @@ class SimEngine:
                    for r in self.running)
         if need > self.pool.num_free_blocks:
             return None
-        n = len(self.running)
-        ctx0 = sum(r.num_computed_tokens + 1 for r in self.running)
-        m = self.step_model
-        duration = (k * (m.a_s + m.c_s_per_seq * n)
-                    + m.d_s_per_context_token * (k * ctx0 + n * k * (k - 1) / 2))
         new_tokens, finished = [], []
         for req in list(self.running):
             self._allocate(req, k)
@@ -312,7 +335,7 @@ class SimEngine:
                 self._finish(req)
                 finished.append(req)
         self.steps += k
-        return StepResult(duration, 0, n, [], new_tokens, finished)
+        return StepResult(duration(k), 0, n, [], new_tokens, finished)
 
     def _cache_blocks(self, req: SimRequest) -> None:
         """Cache the request's newly full blocks (prompt and generated tokens)."""
@@ -322,7 +345,7 @@ class SimEngine:
             return
         while len(req.block_hashes) < full:  # blocks of generated tokens extend the chain
             i = len(req.block_hashes)
-            tokens = (req.prompt_token_ids + req.output_token_ids)[i * bs:(i + 1) * bs]
+            tokens = _token_span(req, i * bs, (i + 1) * bs)
             parent = req.digests[-1] if len(req.digests) == i and i > 0 \
                 else (req.block_hashes[-1].to_bytes(8, "big") if i > 0 else None)
             digest = self.hasher.block_digest(parent, tokens)
