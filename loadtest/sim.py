@@ -18,6 +18,7 @@ request is in flight), and the wall time of each routing decision.
 from __future__ import annotations
 
 import asyncio
+import functools
 import heapq
 import random
 import statistics
@@ -51,7 +52,7 @@ class WorkloadRequest:
     session: str | None = None
     block_hashes: list[int] = field(default_factory=list)
 
-    @property
+    @functools.cached_property
     def text(self) -> str:
         return tokens_to_text(self.token_ids)
 

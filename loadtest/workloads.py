@@ -19,6 +19,7 @@ seed). Shapes follow their sources:
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import random
 from datetime import datetime
@@ -129,6 +130,11 @@ def mooncake(speed: float = 1.0, limit: int | None = None,
     return out
 
 
+@functools.lru_cache(maxsize=4096)
+def _cached_block(block_id: int, n: int) -> tuple[int, ...]:
+    return tuple(block_tokens(block_id, n))
+
+
 class LazyBlockTokens(Sequence[int]):
     """A trace prompt's token ids, materialised per 512-token block only when read."""
 
@@ -138,8 +144,12 @@ class LazyBlockTokens(Sequence[int]):
     def __len__(self) -> int:
         return self.length
 
+    def __iter__(self):
+        for b in range(-(-self.length // self.bs)):
+            yield from self._block(b)[:self.length - b * self.bs]
+
     def _block(self, b: int) -> list[int]:
-        return block_tokens(self.block_ids[b] if b < len(self.block_ids) else -1 - b, self.bs)
+        return _cached_block(self.block_ids[b] if b < len(self.block_ids) else -1 - b, self.bs)
 
     def __getitem__(self, i):
         if isinstance(i, slice):
@@ -152,7 +162,7 @@ class LazyBlockTokens(Sequence[int]):
                 blk = self._block(b)
                 lo = start - b * self.bs
                 hi = min(stop - b * self.bs, self.bs)
-                out += blk[lo:hi]
+                out += list(blk[lo:hi])
                 start = (b + 1) * self.bs
                 b += 1
             return out
