@@ -104,12 +104,18 @@ def test_client_disconnect_aborts_the_engine_request(service, tokenizer):
                                json={**body, "stream": True}) as r:
         assert r.status_code == 200
         next(r.iter_bytes())
-    try:
-        httpx.post(service.url + "/v1/chat/completions", json=body, timeout=1.0)
-    except httpx.TimeoutException:
-        pass
+    texts = [make_text(100, f"abort-{i}", tokenizer) for i in range(4)]
+    for path, b in [("/v1/chat/completions", body),
+                    ("/v1/completions", {"model": "tiny-qwen2", "max_tokens": 2000,
+                                         "ignore_eos": True, "prompt": texts}),
+                    ("/v1/completions", {"model": "tiny-qwen2", "max_tokens": 2000,
+                                         "ignore_eos": True, "prompt": texts[0], "n": 4})]:
+        try:  # cancelled after 1 s (non-streaming; several sequences for the last two)
+            httpx.post(service.url + path, json=b, timeout=1.0)
+        except httpx.TimeoutException:
+            pass
     wait_until(lambda: sum(_engine_metric(u, "vllm:num_requests_running") for u in urls) == 0,
-               10, 0.2, "the engines to abort both requests")
+               10, 0.2, "the engines to abort every sub-request")
 
 
 def test_router_hit_counters_match_the_engines_own(service, tokenizer):
