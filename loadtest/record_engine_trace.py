@@ -66,7 +66,7 @@ async def stream_ttft(client: httpx.AsyncClient, body: dict) -> tuple[float, dic
 async def main_async() -> None:
     from deploy.make_model import ensure_model
     ensure_model(DEFAULT_MODEL_DIR)
-    settings = Settings(max_model_len=4096, max_num_seqs=64,
+    settings = Settings(max_model_len=2048, max_num_seqs=64,
                         extra_engine_args=["--num-gpu-blocks-override", str(NUM_BLOCKS)])
     proc = EngineProcess(settings, EnginePorts.allocate("record"), "record", "cpu")
     await proc.start()
@@ -83,7 +83,7 @@ async def main_async() -> None:
                                                    f"{NUM_BLOCKS} KV blocks",
                                          "requests": rows}))
             prefill = []
-            for n in (32, 128, 512, 1024, 2048, 3072):
+            for n in (32, 128, 512, 1024, 1536, 2000):
                 ts = [(await stream_ttft(c, {"prompt": [100 + (i * 7 + k) % 7000
                                                         for i in range(n)], "max_tokens": 1}))[0]
                       for k in range(3)]
