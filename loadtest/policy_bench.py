@@ -9,6 +9,12 @@ policy) under ``loadtest/results/``, and the tables to ``docs/benchmarks.md``::
     python -m loadtest.policy_bench --replicas 8 16 32   # larger fleets
     python -m loadtest.policy_bench --workloads llmd_b2b --rates 3 15 30 60   # a rate sweep
     python -m loadtest.policy_bench --capacity constrained   # an eighth of the KV capacity
+    python -m loadtest.policy_bench --workloads sglang_gsp \
+        --policies prefix_aware:load_factor=1.25 prefix_aware:load_factor=inf \
+        --section "Load bound trade-off"           # a policy with other parameters
+
+A policy is named as in ``router.policies.make_policy``, optionally followed by
+``:key=value,...`` keyword arguments (numbers; ``inf`` allowed).
 
 Engines follow the H200 profile of a Qwen2.5-7B-shaped model (``replicas/sim/profiles``):
 about 2.04 M tokens of KV cache per replica at 0.9 memory use ("h200"), or an eighth of it
@@ -38,6 +44,22 @@ STANDARD = {"sglang_gsp": {"rate": 120.0}, "llmd_b2b": {"rate": 30.0},
 BLOCK_SIZE = {"mooncake": 512}
 
 
+def parse_policy(spec: str) -> tuple[str, dict[str, float]]:
+    """``"prefix_aware:load_factor=1.5"`` -> ``("prefix_aware", {"load_factor": 1.5})``.
+
+    Raises:
+        ValueError: a malformed ``key=value`` pair or a value that is not a number.
+    """
+    name, _, rest = spec.partition(":")
+    kwargs = {}
+    for pair in filter(None, rest.split(",")):
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise ValueError(f"policy argument {pair!r} is not key=value")
+        kwargs[key.strip()] = float(value)
+    return name, kwargs
+
+
 def workload(name: str, rate: float | None, seed: int):
     kwargs = dict(STANDARD[name])
     if rate is not None:
@@ -59,17 +81,18 @@ def run_suite(workloads: list[str], replicas: list[int], policies: list[str],
                 bs = BLOCK_SIZE.get(wl, 16)
                 engine = EngineConfig(num_blocks=KV_TOKENS[capacity] // bs, block_size=bs,
                                       max_num_batched_tokens=8192, max_num_seqs=256)
-                for pol in policies:
+                for spec in policies:
+                    pol, kwargs = parse_policy(spec)
                     t0 = time.perf_counter()
                     res = simulate(SimConfig(pol, replicas=n, engine=engine, step_model=model,
-                                             seed=seed), reqs,
+                                             seed=seed, policy_kwargs=kwargs), reqs,
                                    progress=(lambda k: progress(k)) if progress else None)
                     row = res.summary()
-                    row.update({"workload": wl, "params": params, "replicas": n,
+                    row.update({"policy": spec, "workload": wl, "params": params, "replicas": n,
                                 "capacity": capacity, "wall_s": time.perf_counter() - t0,
                                 "ttft_cdf": _cdf(res.ttft_s),
                                 "load_samples": res.load_samples[::10]
-                                if pol == "prefix_aware" else []})
+                                if spec == "prefix_aware" else []})
                     rows.append(row)
     return rows
 
@@ -89,19 +112,21 @@ def markdown(rows: list[dict]) -> str:
         groups.setdefault((r["workload"], json.dumps(r["params"], sort_keys=True),
                            r["replicas"], r["capacity"]), []).append(r)
     for (wl, params, n, cap), rs in groups.items():
-        ours = next((r for r in rs if r["policy"] == "prefix_aware"), None)
+        ours = next((r for r in rs if r["policy"] == "prefix_aware"),
+                    next((r for r in rs if r["policy"].startswith("prefix_aware")), None))
         out.append(f"### {wl} ({params}), {n} replicas, {cap} KV capacity\n")
         out.append(f"Ideal hit rate: unlimited cache {rs[0]['ideal_unlimited']:.1%}, one cache "
                    f"of the replicas' combined size {rs[0]['ideal_combined']:.1%}.\n")
         out.append("| policy | hit rate | of combined ideal | TTFT p50 (s) | TTFT p90 (s) | "
-                   "TTFT p99 (s) | E2E p50 (s) | output tok/s | imbalance | decision p99 (µs) "
+                   "TTFT p99 (s) | E2E p50 (s) | output tok/s | imbalance (with drain) | decision p99 (µs) "
                    "| ours' TTFT p90 / this |")
         out.append("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in sorted(rs, key=lambda r: r["ttft_p90_s"]):
             ratio = ours["ttft_p90_s"] / r["ttft_p90_s"] if ours and r["ttft_p90_s"] else 0
             out.append(f"| {r['policy']} | {r['hit_rate']:.1%} | {r['hit_vs_combined']:.1%} | "
                        f"{r['ttft_p50_s']:.3f} | {r['ttft_p90_s']:.3f} | {r['ttft_p99_s']:.3f} | "
-                       f"{r['e2e_p50_s']:.2f} | {r['output_tok_s']:.0f} | {r['imbalance']:.2f} |"
+                       f"{r['e2e_p50_s']:.2f} | {r['output_tok_s']:.0f} | {r['imbalance']:.2f} "
+                       f"({r['imbalance_with_drain']:.2f}) |"
                        f" {r['decision_p99_us']:.0f} | {ratio:.2f} |")
         out.append("")
     return "\n".join(out)
@@ -169,7 +194,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="load points (req/s; users/s for multiturn; speed for mooncake)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-doc", action="store_true")
+    ap.add_argument("--section", default=None,
+                    help="heading of the docs/benchmarks.md section to write (default: the "
+                         "standard suite's, per capacity)")
     a = ap.parse_args(argv)
+    for spec in a.policies:
+        try:
+            parse_policy(spec)
+        except ValueError as e:
+            ap.error(str(e))
     from rich.progress import Progress
     total = 0
     for wl in a.workloads:
@@ -192,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_doc:
         cmd = "python -m loadtest.policy_bench " + " ".join(argv if argv is not None else
                                                             __import__("sys").argv[1:])
-        write_benchmark_doc(f"Routing policies in virtual time ({a.capacity} KV capacity)",
+        write_benchmark_doc(a.section or
+                            f"Routing policies in virtual time ({a.capacity} KV capacity)",
                             cmd.strip(), table + f"\nSuite wall time: {elapsed:.0f} s.")
     return 0
 

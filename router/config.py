@@ -85,6 +85,12 @@ class Settings(BaseSettings):
     # --- routing ------------------------------------------------------------------------
     policy: Literal["prefix_aware", "round_robin", "random", "least_loaded"] = Field(
         "prefix_aware", description="Routing policy by name.")
+    load_factor: float = Field(
+        1.35, ge=1.0, description="prefix_aware's load bound: a replica whose in-flight "
+                                  "requests would exceed max(load_factor x mean, mean + 2) is "
+                                  "passed over while another is within it. Lower: less "
+                                  "imbalance, more prefixes recomputed on a second replica; "
+                                  "the trade-off is measured in docs/benchmarks.md.")
     allow_policy_override: bool = Field(
         False, description="Honour an 'x-routing-policy' request header naming a policy "
                            "(benchmarks and tests compare policies on the same replicas).")
@@ -153,6 +159,11 @@ class Settings(BaseSettings):
     def hash_settings(self) -> HashSettings:
         return HashSettings(block_size=self.block_size, hash_algo=self.hash_algo,
                             seed=self.hash_seed)
+
+    def policy_kwargs(self, policy: str) -> dict[str, Any]:
+        """Keyword arguments of ``router.policies.make_policy`` for ``policy`` from these
+        settings (only ``prefix_aware`` takes any: its ``load_factor``)."""
+        return {"load_factor": self.load_factor} if policy == "prefix_aware" else {}
 
     def dump(self) -> dict[str, Any]:
         """JSON-serialisable dict of every field (to pass to other processes)."""

@@ -157,7 +157,7 @@ class RedisLoadTracker(LoadTracker):
                     block_hashes: Sequence[int], replicas: Sequence[str],
                     ttls_s: Sequence[float], *, block_size: int, prefill_rate: float,
                     work_weight: float, decode_step_s_per_seq: float, step_token_budget: int,
-                    tie_abs_s: float, tie_rel: float, u: float, load_factor: float = 1.25
+                    tie_abs_s: float, tie_rel: float, u: float, load_factor: float = 1.35
                     ) -> tuple[str, dict[str, int]]:
         """Match, score, choose and reserve in one script (the prefix_aware rule).
 
@@ -172,7 +172,7 @@ class RedisLoadTracker(LoadTracker):
         keys = self.keys + [k for r in replicas for k in index.replica_keys(r)]
         args = [self._now_ms(), "route", request_id, self.router_id, prompt_tokens, block_size,
                 prefill_rate, work_weight, decode_step_s_per_seq, step_token_budget, tie_abs_s,
-                tie_rel, load_factor, u, f"{index.ns}:", len(replicas), *replicas,
+                tie_rel, min(load_factor, 1e9), u, f"{index.ns}:", len(replicas), *replicas,
                 *(int(t * 1000) for t in ttls_s), *block_hashes]
 
         async def run(c):

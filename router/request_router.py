@@ -39,7 +39,8 @@ class PrefixCacheRequestRouter(RequestRouter):
 
     def initialize_state(self, settings: Optional[dict] = None, **kwargs) -> None:
         self.settings = Settings(**(settings or {}))
-        self.policy = make_policy(self.settings.policy, rng=random.Random())
+        self.policy = make_policy(self.settings.policy, rng=random.Random(),
+                                  **self.settings.policy_kwargs(self.settings.policy))
         self._policies = {self.policy.name: self.policy}
         self._core: RoutingCore | None = None
         self._known: set[str] = set()
@@ -122,7 +123,8 @@ class PrefixCacheRequestRouter(RequestRouter):
         if name is None:
             return self.policy
         if name not in self._policies:
-            self._policies[name] = make_policy(name, rng=random.Random())
+            self._policies[name] = make_policy(name, rng=random.Random(),
+                                               **self.settings.policy_kwargs(name))
         return self._policies[name]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
