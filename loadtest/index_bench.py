@@ -9,9 +9,13 @@
 * Ingestion: ``BlockStored`` events written by ``EventFeed``'s batched path
   (``RedisPrefixIndex.apply_events``), blocks per second.
 * Router overhead, arrival to dispatch, without the network: validate + render + tokenize +
-  hash (``IngressCore.prepare``) + the atomic decision, for an 8k-token chat request.
+  hash (``IngressCore.prepare``) + the atomic decision, for chat requests of 1k to 120k
+  tokens one at a time, and for 32 concurrent 32k-token requests spread over 1 or more
+  ingress processes (FAULTS.md 10.1: routing never waits on a replica's ``/tokenize``; its
+  overhead under concurrency is CPU queueing in the ingress, which scales with processes).
 
     python -m loadtest.index_bench            # writes docs/benchmarks.md sections
+    python -m loadtest.index_bench --only overhead --processes 1 2 16
 """
 
 from __future__ import annotations
@@ -122,7 +126,7 @@ async def bench_overhead(url: str, tokens: int, iters: int) -> dict:
     from router.policies import PrefixAware
     from router.prompts import CHAT_PATH
     from router.routing import ReplicaInfo, RoutingCore
-    from tests.conftest import MODEL_DIR, make_text
+    from tests.conftest import MODEL_DIR
 
     from deploy.make_model import ensure_model
     ensure_model(MODEL_DIR)
@@ -134,10 +138,8 @@ async def bench_overhead(url: str, tokens: int, iters: int) -> dict:
     core = RoutingCore(settings, RedisPrefixIndex(url, ns, connections=conn),
                        RedisLoadTracker(conn, ns), PrefixAware(random.Random(0)))
     replicas = [ReplicaInfo(f"replica-{i}", {}, {}) for i in range(8)]
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(str(MODEL_DIR))
-    system = make_text(tokens, "overhead", tok)
-    prepare_s, decide_s, total_s = [], [], []
+    system = text_of(tokens, "overhead", ingress.renderer.tokenizer)
+    prepare_s, decide_s, total_s, sizes = [], [], [], []
     for i in range(iters):
         body = json.dumps({"model": "tiny-qwen2", "messages": [
             {"role": "system", "content": system},
@@ -151,60 +153,186 @@ async def bench_overhead(url: str, tokens: int, iters: int) -> dict:
         prepare_s.append(t1 - t0)
         decide_s.append(t2 - t1)
         total_s.append(t2 - t0)
+        sizes.append(req.prompt_tokens)
     await core.index.flush()
-    return {"tokens": tokens, "replicas": 8, "iters": iters,
+    return {"tokens": int(statistics.median(sizes)), "replicas": 8, "iters": iters,
             "prepare_p50_ms": pct(prepare_s, 0.5) * 1e3, "prepare_p99_ms": pct(prepare_s, 0.99) * 1e3,
             "decide_p50_ms": pct(decide_s, 0.5) * 1e3, "decide_p99_ms": pct(decide_s, 0.99) * 1e3,
             "total_p50_ms": pct(total_s, 0.5) * 1e3, "total_p99_ms": pct(total_s, 0.99) * 1e3}
+
+
+def text_of(tokens: int, seed: str, tokenizer) -> str:
+    """Deterministic text of exactly ``tokens`` tokens of ``tokenizer`` (one encode)."""
+    from tests.conftest import make_text
+    ids = tokenizer.encode(make_text(tokens, seed), add_special_tokens=False)
+    while len(ids) < tokens:  # make_text sizes by characters: grow until long enough
+        ids = ids + ids
+    return tokenizer.decode(ids[:tokens])
+
+
+def _concurrent_worker(url: str, ns: str, tokens: int, share: int, worker: int,
+                       barrier, results) -> None:
+    """One ingress process of ``bench_concurrent``: prepares its tokenizer and Redis
+    connection, waits at ``barrier``, then takes ``share`` requests that all arrive at once
+    and puts each one's arrival-to-dispatch time (s) on ``results``."""
+    from router.config import Settings
+    from router.ingress import IngressCore
+    from router.policies import PrefixAware
+    from router.prompts import CHAT_PATH
+    from router.routing import ReplicaInfo, RoutingCore
+    from tests.conftest import MODEL_DIR
+
+    settings = Settings(model=str(MODEL_DIR), redis_url=url, index_namespace=ns,
+                        redis_timeout_s=5.0)
+    ingress = IngressCore(settings, engine_handle=None)
+    conn = RedisConnections(url, 5.0)
+    core = RoutingCore(settings, RedisPrefixIndex(url, ns, connections=conn),
+                       RedisLoadTracker(conn, ns), PrefixAware(random.Random(worker)))
+    replicas = [ReplicaInfo(f"replica-{i}", {}, {}) for i in range(8)]
+    bodies = [json.dumps({"model": "tiny-qwen2", "messages": [
+        {"role": "system", "content": text_of(tokens, f"concurrent-{worker}-{i}",
+                                              ingress.renderer.tokenizer)},
+        {"role": "user", "content": "question"}]}).encode() for i in range(share)]
+
+    async def one(body: bytes, t_arrival: float) -> tuple[float, float]:
+        req = await ingress.prepare(CHAT_PATH, body)
+        t1 = time.perf_counter()
+        await core.decide(req.request_id, req.prompt_tokens, req.block_hashes, replicas)
+        t2 = time.perf_counter()
+        return t2 - t_arrival, t2 - t1
+
+    async def run() -> list[tuple[float, float]]:
+        # warm the template, the tokenizer, the Redis connection and the script cache
+        req = await ingress.prepare(CHAT_PATH, bodies[0])
+        await core.decide(req.request_id, req.prompt_tokens, req.block_hashes, replicas)
+        await core.load.release(req.request_id)
+        barrier.wait()
+        t0 = time.perf_counter()
+        return await asyncio.gather(*(one(b, t0) for b in bodies))
+
+    results.put(asyncio.run(run()))
+
+
+def bench_concurrent(url: str, tokens: int, concurrency: int, processes: int) -> dict:
+    """``concurrency`` chat requests of about ``tokens`` tokens arriving at once, spread
+    evenly over ``processes`` ingress processes (as Ray Serve spreads them over ingress
+    replicas); arrival-to-dispatch p50/p99 (ms). Each process tokenizes its requests one
+    after another (a fast tokenizer's ``encode`` holds the GIL), so the floor of the p99 is
+    the single-request time x ceil(concurrency / min(processes, cores))."""
+    import multiprocessing as mp
+    import os
+
+    from tests.conftest import MODEL_DIR
+
+    from deploy.make_model import ensure_model
+    ensure_model(MODEL_DIR)
+    ctx = mp.get_context("spawn")
+    ns = f"bench-{uuid.uuid4().hex[:6]}"
+    barrier, results = ctx.Barrier(processes), ctx.Queue()
+    shares = [concurrency // processes + (k < concurrency % processes)
+              for k in range(processes)]
+    procs = [ctx.Process(target=_concurrent_worker,
+                         args=(url, ns, tokens, shares[k], k, barrier, results))
+             for k in range(processes)]
+    for p in procs:
+        p.start()
+    pairs = [t for _ in procs for t in results.get(timeout=600)]
+    times, decide = [t for t, _ in pairs], [d for _, d in pairs]
+    for p in procs:
+        p.join()
+    asyncio.run(RedisPrefixIndex(url, ns).flush())
+    return {"tokens": tokens, "concurrency": concurrency, "processes": processes,
+            "cores": os.cpu_count(), "p50_ms": pct(times, 0.5) * 1e3,
+            "p99_ms": pct(times, 0.99) * 1e3, "decide_p50_ms": pct(decide, 0.5) * 1e3,
+            "decide_p99_ms": pct(decide, 0.99) * 1e3}
+
+
+OVERHEAD_NOTES = """Reading: routing never calls a replica (no ``/tokenize`` round trip): the
+ingress renders, tokenizes and hashes in its own process, then makes one Redis round trip.
+One request at a time, the targets of FAULTS.md 10.1 (p50 <= 30 ms at 32k tokens, <= 150 ms
+at 120k) are compared with the table above. Under 32 concurrent 32k-token requests the
+overhead is CPU queueing: a fast tokenizer's ``encode`` holds the GIL, so one ingress process
+tokenizes one prompt at a time, and the p99 is bounded below by the single-request time x
+ceil(32 / min(processes, cores)) ("floor" above). The target "p99 under 32-way concurrency
+<= 3 x the single-request value" therefore needs at least ceil(32 / 3) = 11 cores of ingress
+processes (``ingress_replicas``); this 2-core machine can show only that the measured p99
+follows the floor (no collapse beyond CPU queueing), not the 3x target itself."""
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     ap.add_argument("--iters", type=int, default=300)
+    ap.add_argument("--only", choices=["lookup", "overhead"], default=None)
+    ap.add_argument("--processes", nargs="+", type=int, default=[1, 2],
+                    help="ingress process counts for the 32-way concurrent run")
     ap.add_argument("--no-doc", action="store_true")
     a = ap.parse_args(argv)
-    rows = []
-    for scenario in ("typical", "adversarial"):
-        for tokens in (1024, 8192, 32768, 131072):
-            for n in (2, 8, 32, 64):
-                iters = a.iters if tokens <= 8192 else max(a.iters // 5, 30)
-                row = asyncio.run(bench_lookup(a.redis_url, tokens, n, iters, scenario))
-                rows.append(row)
-                print(json.dumps(row), flush=True)
-    ingest = asyncio.run(bench_ingestion(a.redis_url))
-    print(json.dumps(ingest), flush=True)
-    overhead = [asyncio.run(bench_overhead(a.redis_url, t, 50 if t > 8192 else 200))
-                for t in (1024, 8192, 32768)]
-    for o in overhead:
-        print(json.dumps(o), flush=True)
+    cmd = "python -m loadtest.index_bench " + " ".join(argv if argv is not None else
+                                                       __import__("sys").argv[1:])
+    stamp = int(time.time())
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"index-bench-{int(time.time())}.json").write_text(
-        json.dumps({"lookup": rows, "ingestion": ingest, "overhead": overhead}, indent=1))
-    table = ["| scenario | prompt tokens | replicas | lookup p50 (ms) | lookup p99 (ms) | "
-             "atomic route p50 (ms) | atomic route p99 (ms) |", "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        table.append(f"| {r['scenario']} | {r['tokens']} | {r['replicas']} | "
-                     f"{r['lookup_p50_ms']:.3f} | "
-                     f"{r['lookup_p99_ms']:.3f} | {r['route_p50_ms']:.3f} | "
-                     f"{r['route_p99_ms']:.3f} |")
-    ov = ["| prompt tokens | validate+render+tokenize+hash p50 / p99 (ms) | decision p50 / p99 "
-          "(ms) | arrival to dispatch p50 / p99 (ms) |", "|---|---|---|---|"]
-    for o in overhead:
-        ov.append(f"| {o['tokens']} | {o['prepare_p50_ms']:.2f} / {o['prepare_p99_ms']:.2f} | "
-                  f"{o['decide_p50_ms']:.2f} / {o['decide_p99_ms']:.2f} | "
-                  f"{o['total_p50_ms']:.2f} / {o['total_p99_ms']:.2f} |")
-    text = ("\n".join(table) + f"\n\nEvent ingestion into Redis (batched `apply_events`, "
-            f"{ingest['blocks_per_event']} blocks per BlockStored, {ingest['blocks_per_write']} "
-            f"per write): **{ingest['blocks_per_s']:,.0f} blocks/s** "
-            f"({ingest['blocks']} blocks in {ingest['seconds']:.2f} s).\n\n"
-            "Router overhead in one process (no HTTP, no Ray hop), 8 replicas, atomic "
-            "decision on the real Redis:\n\n" + "\n".join(ov))
-    print(text)
-    if not a.no_doc:
-        write_benchmark_doc("Redis index: lookup, ingestion, router overhead",
-                            "python -m loadtest.index_bench " + " ".join(argv or []), text,
-                            NOTES)
+    if a.only in (None, "lookup"):
+        rows = []
+        for scenario in ("typical", "adversarial"):
+            for tokens in (1024, 8192, 32768, 131072):
+                for n in (2, 8, 32, 64):
+                    iters = a.iters if tokens <= 8192 else max(a.iters // 5, 30)
+                    row = asyncio.run(bench_lookup(a.redis_url, tokens, n, iters, scenario))
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+        ingest = asyncio.run(bench_ingestion(a.redis_url))
+        print(json.dumps(ingest), flush=True)
+        (RESULTS / f"index-bench-{stamp}.json").write_text(
+            json.dumps({"lookup": rows, "ingestion": ingest}, indent=1))
+        table = ["| scenario | prompt tokens | replicas | lookup p50 (ms) | lookup p99 (ms) | "
+                 "atomic route p50 (ms) | atomic route p99 (ms) |",
+                 "|---|---|---|---|---|---|---|"]
+        for r in rows:
+            table.append(f"| {r['scenario']} | {r['tokens']} | {r['replicas']} | "
+                         f"{r['lookup_p50_ms']:.3f} | {r['lookup_p99_ms']:.3f} | "
+                         f"{r['route_p50_ms']:.3f} | {r['route_p99_ms']:.3f} |")
+        text = ("\n".join(table) + f"\n\nEvent ingestion into Redis (batched `apply_events`, "
+                f"{ingest['blocks_per_event']} blocks per BlockStored, "
+                f"{ingest['blocks_per_write']} per write): **{ingest['blocks_per_s']:,.0f} "
+                f"blocks/s** ({ingest['blocks']} blocks in {ingest['seconds']:.2f} s).")
+        print(text)
+        if not a.no_doc:
+            write_benchmark_doc("Redis index: lookup and ingestion", cmd.strip(), text, NOTES)
+    if a.only in (None, "overhead"):
+        overhead = [asyncio.run(bench_overhead(a.redis_url, t, 50 if t > 8192 else 200))
+                    for t in (1024, 8192, 32768)]
+        overhead.append(asyncio.run(bench_overhead(a.redis_url, 122880, 10)))
+        for o in overhead:
+            print(json.dumps(o), flush=True)
+        concurrent = []
+        for procs in a.processes:
+            concurrent.append(bench_concurrent(a.redis_url, 32768, 32, procs))
+            print(json.dumps(concurrent[-1]), flush=True)
+        (RESULTS / f"overhead-bench-{stamp}.json").write_text(
+            json.dumps({"overhead": overhead, "concurrent": concurrent}, indent=1))
+        single = next(o for o in overhead if o["tokens"] >= 30000)["total_p50_ms"]
+        ov = ["| prompt tokens | validate+render+tokenize+hash p50 / p99 (ms) | decision p50 / "
+              "p99 (ms) | arrival to dispatch p50 / p99 (ms) |", "|---|---|---|---|"]
+        for o in overhead:
+            ov.append(f"| {o['tokens']} | {o['prepare_p50_ms']:.2f} / {o['prepare_p99_ms']:.2f}"
+                      f" | {o['decide_p50_ms']:.2f} / {o['decide_p99_ms']:.2f} | "
+                      f"{o['total_p50_ms']:.2f} / {o['total_p99_ms']:.2f} |")
+        cc = ["| concurrent 32k requests | ingress processes | cores | p50 (ms) | p99 (ms) | "
+              "p99 / single p50 | floor: ceil(32 / min(processes, cores)) |",
+              "|---|---|---|---|---|---|---|"]
+        for c in concurrent:
+            floor = -(-c["concurrency"] // min(c["processes"], c["cores"]))
+            cc.append(f"| {c['concurrency']} | {c['processes']} | {c['cores']} | "
+                      f"{c['p50_ms']:.0f} | {c['p99_ms']:.0f} | {c['p99_ms'] / single:.1f} | "
+                      f"{floor} |")
+        text = ("One request at a time, 8 replicas, atomic decision on the real Redis:\n\n"
+                + "\n".join(ov) + f"\n\n32 requests of about 32k tokens arriving at once "
+                f"(single-request p50 above: {single:.1f} ms):\n\n" + "\n".join(cc))
+        print(text)
+        if not a.no_doc:
+            write_benchmark_doc("Router overhead (FAULTS.md 10.1)", cmd.strip(), text,
+                                OVERHEAD_NOTES)
     return 0
 
 

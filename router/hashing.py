@@ -154,11 +154,14 @@ class BlockHasher:
                 lora_name: str | None = None, lora_path: str | None = None) -> list[bytes]:
         """Full digests of every full block of ``token_ids`` (len = len(token_ids) // block_size)."""
         bs = self.settings.block_size
+        ids = list(map(int, token_ids))  # once, not per block (the hot path of long prompts)
+        fn = self._fn
+        plain = lora_name is None and cache_salt is None  # no extra keys on any block
         out: list[bytes] = []
-        parent: bytes | None = None
-        for i in range(len(token_ids) // bs):
-            extra = self.block_extra_keys(i, cache_salt, lora_name, lora_path)
-            parent = self.block_digest(parent, token_ids[i * bs:(i + 1) * bs], extra)
+        parent = self.none_hash
+        for i in range(len(ids) // bs):
+            extra = None if plain else self.block_extra_keys(i, cache_salt, lora_name, lora_path)
+            parent = fn((parent, tuple(ids[i * bs:(i + 1) * bs]), extra))
             out.append(parent)
         return out
 

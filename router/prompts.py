@@ -186,7 +186,7 @@ class PromptRenderer:
             ids = self.tokenizer.apply_chat_template(
                 conversation, tools=tools if tools else None, tokenize=True, return_dict=False,
                 **kwargs)
-        return PromptInfo(token_ids=[int(t) for t in ids])
+        return PromptInfo(token_ids=list(map(int, ids)))
 
     def _render_completion(self, body: dict[str, Any]) -> PromptInfo:
         prompt = body.get("prompt")
@@ -198,7 +198,7 @@ class PromptRenderer:
             add_special = body.get("add_special_tokens", True)
             with self._lock:
                 ids = self.tokenizer.encode(prompt, add_special_tokens=bool(add_special))
-            return PromptInfo(token_ids=[int(t) for t in ids])
+            return PromptInfo(token_ids=list(map(int, ids)))
         if isinstance(prompt, list) and prompt and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return PromptInfo(token_ids=list(prompt))

@@ -150,3 +150,59 @@ async def test_routing_core_uses_the_atomic_path_and_falls_back_when_redis_fails
     d3 = await down.decide("r3", 1400, list(range(40)), reps)
     assert d3.reason == "fallback" and not down.index_available
     await core.index.flush()
+
+
+async def _warm_then_overload(routers: int) -> tuple[float, int]:
+    """FAULTS.md 1.7 on the shared Redis: ``routers`` routing cores (router processes) share
+    one namespace; A holds prefix P_a, B holds P_b (from KV events). Clients are spread
+    round-robin over the routers. (a) 40 concurrent requests, half on each prefix: the
+    fraction sent to their warm replica. (b) 40 more long P_a requests: the total in flight
+    when the first one spills to B."""
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    settings = Settings(redis_url=REDIS_URL, index_namespace=ns, block_size=BS)
+    conn = RedisConnections(REDIS_URL, 2.0)
+    index = RedisPrefixIndex(REDIS_URL, ns, connections=conn)
+    cores = [RoutingCore(settings, index, RedisLoadTracker(conn, ns), PrefixAware(random.Random(k)))
+             for k in range(routers)]
+    p_a, p_b = list(range(1, 41)), list(range(1001, 1041))  # 40 blocks each: 1,280 tokens
+    await index.apply_events("a", [KVEvent("stored", p_a, None)])
+    await index.apply_events("b", [KVEvent("stored", p_b, None)])
+    reps = [ReplicaInfo("a", {}, {}), ReplicaInfo("b", {}, {})]
+    n = 0
+
+    async def send(prefix: list[int]) -> str:
+        nonlocal n
+        n += 1
+        core = cores[n % routers]
+        suffix = [10**6 + n * 100 + i for i in range(4)]  # the request's own question
+        d = await core.decide(f"q{n}", (len(prefix) + 4) * BS + 7, prefix + suffix, reps)
+        return d.replica
+
+    # (a) balanced: 40 at once, alternating prefixes, none finishing
+    picks = await asyncio.gather(*(send(p_a if i % 2 == 0 else p_b) for i in range(40)))
+    warm = sum(p == ("a" if i % 2 == 0 else "b") for i, p in enumerate(picks)) / len(picks)
+    # (b) overloaded A: long P_a requests, four at a time (one per client connection)
+    spill_at = None
+    for _ in range(10):
+        picks = await asyncio.gather(*(send(p_a) for _ in range(4)))
+        if "b" in picks and spill_at is None:
+            loads = await cores[0].load.loads(["a", "b"])
+            spill_at = sum(v.inflight for v in loads.values()) - (4 - picks.index("b"))
+    loads = await cores[0].load.loads(["a", "b"])
+    assert sum(v.inflight for v in loads.values()) == 80  # every router's requests counted
+    for core in cores:
+        await core.load.close()
+    await index.flush()
+    return warm, spill_at
+
+
+async def test_several_routers_keep_affinity_and_spill_at_the_same_load_as_one():
+    """FAULTS.md 1.7: with 4 router processes each seeing a quarter of the requests, (a) at
+    least 95 % of a balanced load goes to its warm replica, as with one router, and (b) the
+    overloaded replica spills at the same total in flight (within 20 %): load is read from
+    Redis, shared by the routers, not from each router's own memory."""
+    warm_1, spill_1 = await _warm_then_overload(1)
+    warm_4, spill_4 = await _warm_then_overload(4)
+    assert warm_1 >= 0.95 and warm_4 >= 0.95, (warm_1, warm_4)
+    assert spill_1 is not None and spill_4 is not None, (spill_1, spill_4)
+    assert abs(spill_4 - spill_1) <= 0.2 * spill_1, (spill_1, spill_4)
