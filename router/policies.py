@@ -176,9 +176,10 @@ class PrefixAware(Policy):
     sibling's prefill is still queued where the prefix is being built.
 
     Candidates within ``tie_rel`` (relative) or ``tie_abs_s`` of the best cost are near-ties:
-    among them the replica with the most cached tokens, then the one whose last assignment is
-    oldest (a rotating tie-break that spreads cold starts when nothing is in flight,
-    FAULTS.md 1.4), then chance.
+    among them the replica with the most cached tokens, then the fewest requests in flight
+    (a cold request or a spill goes where it adds least to the imbalance: decode-heavy load
+    barely changes the cost), then the one whose last assignment is oldest (a rotating
+    tie-break that spreads cold starts when nothing is in flight, FAULTS.md 1.4), then chance.
 
     Bounded load: a candidate whose in-flight count would exceed
     ``max(load_factor * (total + 1) / n, (total + 1) / n + 2)`` (``total`` = requests in flight
@@ -243,10 +244,12 @@ class PrefixAware(Policy):
         best = min(costs[c.replica] for c in pool)
         tie_bound = best + max(self.tie_abs_s, self.tie_rel * best)
         ties = [c for c in pool if costs[c.replica] <= tie_bound]
-        # Among near-ties: the most cached tokens, then the longest since an assignment,
-        # then chance.
+        # Among near-ties: the most cached tokens, then the fewest in flight, then the
+        # longest since an assignment, then chance.
         most_cached = max(predicted[c.replica] for c in ties)
         ties = [c for c in ties if predicted[c.replica] == most_cached]
+        fewest = min(c.load.inflight for c in ties)
+        ties = [c for c in ties if c.load.inflight == fewest]
         oldest = min(c.load.last_assigned_s for c in ties)
         finalists = [c for c in ties if c.load.last_assigned_s <= oldest + 0.001]
         pick = finalists[int(self.rng.random() * len(finalists))]  # as lua/route.lua does

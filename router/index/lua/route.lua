@@ -105,23 +105,31 @@ for j = 1, nc do
   if within[j] and (not best or cost[j] < best) then best = cost[j] end
 end
 
--- 3. near-ties: most cached, then the oldest last assignment (within 1 ms), then u over
---    candidate order
+-- 3. near-ties: most cached, then the fewest in flight, then the oldest last assignment
+--    (within 1 ms), then u over candidate order
 local bound = best + math.max(tie_abs, tie_rel * best)
 local most = -1
 for j = 1, nc do
   if within[j] and cost[j] <= bound and cached[j] > most then most = cached[j] end
 end
-local oldest = nil
+local fewest = nil
 for j = 1, nc do
   if within[j] and cost[j] <= bound and cached[j] == most
+      and (not fewest or inflight[j] < fewest) then
+    fewest = inflight[j]
+  end
+end
+local oldest = nil
+for j = 1, nc do
+  if within[j] and cost[j] <= bound and cached[j] == most and inflight[j] == fewest
       and (not oldest or last[j] < oldest) then
     oldest = last[j]
   end
 end
 local finalists = {}
 for j = 1, nc do
-  if within[j] and cost[j] <= bound and cached[j] == most and last[j] <= oldest + 1 then
+  if within[j] and cost[j] <= bound and cached[j] == most and inflight[j] == fewest
+      and last[j] <= oldest + 1 then
     finalists[#finalists + 1] = j
   end
 end
