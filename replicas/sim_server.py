@@ -154,6 +154,7 @@ class SimServer:
         self._wake = asyncio.Event()
         self.requests_total = 0
         self.aborted_total = 0
+        self.tokenize_calls = 0  # FAULTS.md 10.1: routing must never call /tokenize
 
     async def run_engine(self) -> None:
         """Step while there is work; sleep each step's duration."""
@@ -363,6 +364,7 @@ def build_app(server: SimServer) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
+        server.tokenize_calls += 1
         body = await request.json()
         path = CHAT_PATH if "messages" in body else COMPLETIONS_PATH
         ids = server.renderer.render(path, body).token_ids
@@ -391,6 +393,7 @@ def build_app(server: SimServer) -> FastAPI:
         return {"running": e.num_running, "waiting": e.num_waiting,
                 "free_blocks": e.pool.num_free_blocks, "requests_total": server.requests_total,
                 "aborted_total": server.aborted_total, "steps": e.steps,
+                "tokenize_calls": server.tokenize_calls,
                 "kv_events_seq": server.publisher.seq}
 
     return app

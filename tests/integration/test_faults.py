@@ -458,6 +458,30 @@ def test_prompt_of_120k_tokens_is_forwarded(faults_app):
     assert r.json()["usage"]["prompt_tokens"] >= 100_000
 
 
+def test_routing_never_calls_a_replicas_tokenize(faults_app, tokenizer):
+    """FAULTS.md 10.1 (routing never waits on a replica's ``/tokenize``): chat and completion
+    requests, streamed or not, are routed with predicted hits while neither engine's
+    ``/tokenize`` is called (the overhead figures are in docs/benchmarks.md)."""
+    engines = [r["metadata"]["engine_url"] for r in replicas(faults_app)]
+    before = [httpx.get(u + "/sim/state", timeout=10).json()["tokenize_calls"] for u in engines]
+    system = make_text(1200, "no-tokenize", tokenizer)
+    predicted = []
+    for i in range(6):
+        if i % 2:
+            r = faults_app.client.post("/v1/completions", json={
+                "model": "tiny-qwen2", "prompt": system + f" q{i}", "max_tokens": 2,
+                "stream": i % 3 == 0})
+        else:
+            r = faults_app.client.post("/v1/chat/completions",
+                                       json=chat_body(system, f"q{i}", stream=i % 4 == 0))
+        assert r.status_code == 200, r.text[:300]
+        predicted.append(int(r.headers["x-predicted-cached-tokens"]))
+        time.sleep(0.2)
+    after = [httpx.get(u + "/sim/state", timeout=10).json()["tokenize_calls"] for u in engines]
+    assert after == before, (before, after)
+    assert max(predicted[2:]) >= 1024, predicted  # hits predicted from the router's own hashes
+
+
 def _requests_total(text: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("router_requests_total{"))

@@ -7,7 +7,8 @@
 -- Per replica r: <ns>:x:<r> hash block -> copies (exact, from KV events) and <ns>:p:<r>
 -- hash block -> expiry ms (predicted). A candidate's match is read with HMGETs of 16, then
 -- 64 hashes at a time that stop at its first missing block, so the cost grows with the
--- candidates' matched lengths, not with the prompt length times the replica count.
+-- candidates' matched lengths, not with the prompt length times the replica count; the
+-- predicted hash is read only past the end of the exact run.
 --
 -- KEYS[1]: load hash (<replica>:n in flight, :p queued prefill tokens, :t last assignment ms)
 -- KEYS[2]: lease hash (request id -> "replica|prefill|done|router")
@@ -35,13 +36,21 @@ local function held_prefix(xkey, pkey)
   local i, chunk = 0, 16
   while i < nblocks do
     local last = math.min(i + chunk, nblocks)
-    local hs = {}
-    for k = i + 1, last do hs[#hs + 1] = ARGV[h0 + k] end
-    local ex = redis.call('HMGET', xkey, unpack(hs))
-    local pr = redis.call('HMGET', pkey, unpack(hs))
-    for k = 1, #hs do
-      local c, e = tonumber(ex[k]), tonumber(pr[k])
-      if not ((c and c > 0) or (e and e > now)) then return i + k - 1 end
+    local ex = redis.call('HMGET', xkey, unpack(ARGV, h0 + i + 1, h0 + last))
+    local n = last - i
+    local k = 1
+    while k <= n do
+      local c = tonumber(ex[k])
+      if not (c and c > 0) then break end
+      k = k + 1
+    end
+    if k <= n then
+      -- the exact run ends inside this chunk: the rest may still be held as predicted
+      local pr = redis.call('HMGET', pkey, unpack(ARGV, h0 + i + k, h0 + last))
+      for m = k, n do
+        local c, e = tonumber(ex[m]), tonumber(pr[m - k + 1])
+        if not ((c and c > 0) or (e and e > now)) then return i + m - 1 end
+      end
     end
     i = last
     chunk = 64
