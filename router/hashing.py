@@ -133,7 +133,7 @@ class BlockHasher:
                      extra_keys: tuple | None = None) -> bytes:
         """The full digest of one block: ``H((parent or NONE_HASH, tuple(tokens), extra_keys))``."""
         return self._fn((parent if parent is not None else self.none_hash,
-                         tuple(int(t) for t in tokens), extra_keys))
+                         tuple(map(int, tokens)), extra_keys))
 
     def block_extra_keys(self, block_index: int, cache_salt: str | None,
                          lora_name: str | None, lora_path: str | None = None) -> tuple | None:
@@ -154,14 +154,12 @@ class BlockHasher:
                 lora_name: str | None = None, lora_path: str | None = None) -> list[bytes]:
         """Full digests of every full block of ``token_ids`` (len = len(token_ids) // block_size)."""
         bs = self.settings.block_size
-        ids = list(map(int, token_ids))  # once, not per block (the hot path of long prompts)
-        fn = self._fn
         plain = lora_name is None and cache_salt is None  # no extra keys on any block
         out: list[bytes] = []
-        parent = self.none_hash
-        for i in range(len(ids) // bs):
+        parent: bytes | None = None
+        for i in range(len(token_ids) // bs):
             extra = None if plain else self.block_extra_keys(i, cache_salt, lora_name, lora_path)
-            parent = fn((parent, tuple(ids[i * bs:(i + 1) * bs]), extra))
+            parent = self.block_digest(parent, token_ids[i * bs:(i + 1) * bs], extra)
             out.append(parent)
         return out
 
