@@ -41,3 +41,13 @@ def test_model_name_and_tokenizer_default_from_the_model_directory():
     s = Settings(model="/models/Qwen2.5-7B-Instruct")
     assert s.served_model_name == "Qwen2.5-7B-Instruct"
     assert s.tokenizer == "/models/Qwen2.5-7B-Instruct"
+
+
+def test_load_factor_reaches_the_prefix_aware_policy(monkeypatch):
+    from router.policies import make_policy
+    monkeypatch.setenv("PREFIX_ROUTER_LOAD_FACTOR", "1.5")
+    s = Settings()
+    assert make_policy("prefix_aware", **s.policy_kwargs("prefix_aware")).load_factor == 1.5
+    assert s.policy_kwargs("round_robin") == {}
+    with pytest.raises(ValidationError):
+        Settings(load_factor=0.9)  # a bound below the mean would refuse every replica
