@@ -26,7 +26,7 @@ from typing import Sequence
 
 from router.clock import Clock, SystemClock
 from router.index.base import IndexUnavailable
-from router.index.redis_index import RedisConnections, load_lua
+from router.index.redis_index import RedisConnections, load_lua, pack_hashes
 from router.load import LoadTracker, MemoryLoadTracker, ReplicaLoad
 
 logger = logging.getLogger(__name__)
@@ -173,7 +173,7 @@ class RedisLoadTracker(LoadTracker):
         args = [self._now_ms(), "route", request_id, self.router_id, prompt_tokens, block_size,
                 prefill_rate, work_weight, decode_step_s_per_seq, step_token_budget, tie_abs_s,
                 tie_rel, min(load_factor, 1e9), u, f"{index.ns}:", len(replicas), *replicas,
-                *(int(t * 1000) for t in ttls_s), *block_hashes]
+                *(int(t * 1000) for t in ttls_s), pack_hashes(block_hashes)]
 
         async def run(c):
             return await self._s(c)[1](keys=keys, args=args)

@@ -35,6 +35,12 @@ from router.index.base import IndexStats, IndexUnavailable, KVEvent, PrefixIndex
 _LUA_DIR = Path(__file__).with_name("lua")
 
 
+def pack_hashes(block_hashes: Sequence[BlockHash]) -> str:
+    """Block hashes (unsigned ints) as the one space-separated decimal argument that
+    ``lua/route.lua`` takes: one string to encode instead of one argument per block."""
+    return " ".join(map(str, block_hashes))
+
+
 def load_lua(name: str) -> str:
     """Source of ``router/index/lua/<name>.lua``."""
     return (_LUA_DIR / f"{name}.lua").read_text()
@@ -66,7 +72,8 @@ class RedisConnections:
     async def call(self, coro_fn, *args: Any) -> Any:
         """Run ``coro_fn(client, *args)`` bounded by the timeout; errors become IndexUnavailable."""
         try:
-            return await asyncio.wait_for(coro_fn(self.client(), *args), self.timeout_s)
+            async with asyncio.timeout(self.timeout_s):  # no extra task, unlike wait_for
+                return await coro_fn(self.client(), *args)
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
             raise IndexUnavailable(f"redis at {self.url}: {type(exc).__name__}: {exc}") from exc
 
@@ -122,7 +129,7 @@ class RedisPrefixIndex(PrefixIndex):
         keys = [f"{self.ns}:load", f"{self.ns}:leases"] + [
             k for r in replicas for k in self.replica_keys(r)]
         args = [self._now_ms(), "lookup", *([0] * 12), f"{self.ns}:", len(replicas),
-                *replicas, *([0] * len(replicas)), *block_hashes]
+                *replicas, *([0] * len(replicas)), pack_hashes(block_hashes)]
 
         async def run(client):
             return await self._s(client)[0](keys=keys, args=args)

@@ -18,7 +18,7 @@
 --       9 decode_step_s_per_seq, 10 step_token_budget, 11 tie_abs_s, 12 tie_rel,
 --       13 load_factor (bounded load), 14 u (uniform random in [0,1)), 15 key prefix "<ns>:",
 --       16 n_candidates, then n candidate ids, then per candidate its predicted TTL (ms),
---       then the request's block hashes in prompt order
+--       then the request's block hashes in prompt order, as one space-separated string
 -- Returns: {chosen index (1-based, 0 in lookup mode), matched blocks per candidate...}
 local now = tonumber(ARGV[1])
 local mode = ARGV[2]
@@ -28,15 +28,18 @@ for j = 1, nc do
   cands[j] = ARGV[16 + j]
   ttls[j] = tonumber(ARGV[16 + nc + j])
 end
-local h0 = 16 + 2 * nc  -- ARGV[h0 + i] is block i
-local nblocks = #ARGV - h0
+-- the block hashes come as one argument, decimal and space-separated: one string to encode
+-- and parse instead of one argument per block (the client's packing dominated long prompts)
+local H = {}
+for h in string.gmatch(ARGV[17 + 2 * nc] or '', '%d+') do H[#H + 1] = h end
+local nblocks = #H
 
 -- 1. matched prefix per candidate: leading blocks held (exact or unexpired predicted)
 local function held_prefix(xkey, pkey)
   local i, chunk = 0, 16
   while i < nblocks do
     local last = math.min(i + chunk, nblocks)
-    local ex = redis.call('HMGET', xkey, unpack(ARGV, h0 + i + 1, h0 + last))
+    local ex = redis.call('HMGET', xkey, unpack(H, i + 1, last))
     local n = last - i
     local k = 1
     while k <= n do
@@ -46,7 +49,7 @@ local function held_prefix(xkey, pkey)
     end
     if k <= n then
       -- the exact run ends inside this chunk: the rest may still be held as predicted
-      local pr = redis.call('HMGET', pkey, unpack(ARGV, h0 + i + k, h0 + last))
+      local pr = redis.call('HMGET', pkey, unpack(H, i + k, last))
       for m = k, n do
         local c, e = tonumber(ex[m]), tonumber(pr[m - k + 1])
         if not ((c and c > 0) or (e and e > now)) then return i + m - 1 end
@@ -158,7 +161,7 @@ if nblocks > 0 then
   local expiry = now + ttls[pick]
   local args = {}
   for i = 1, nblocks do
-    args[#args + 1] = ARGV[h0 + i]; args[#args + 1] = expiry
+    args[#args + 1] = H[i]; args[#args + 1] = expiry
     if #args >= 512 then redis.call('HSET', pkey, unpack(args)); args = {} end
   end
   if #args > 0 then redis.call('HSET', pkey, unpack(args)) end
