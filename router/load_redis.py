@@ -55,6 +55,7 @@ class RedisLoadTracker(LoadTracker):
         self._scripts: dict[int, tuple] = {}
         self._heartbeat_task: asyncio.Task | None = None
         self.keys = [f"{namespace}:load", f"{namespace}:leases"]
+        self._heartbeat_key = f"{namespace}:router:{self.router_id}"
 
     def _s(self, client):
         s = self._scripts.get(id(client))
@@ -76,7 +77,7 @@ class RedisLoadTracker(LoadTracker):
         period = self.heartbeat_ttl_s / 3
         while True:
             try:
-                await self.conn.call(lambda c: c.set(f"{self.ns}:router:{self.router_id}", 1,
+                await self.conn.call(lambda c: c.set(self._heartbeat_key, 1,
                                                      px=int(self.heartbeat_ttl_s * 1000)))
                 swept = await self.sweep()
                 if swept:
@@ -121,6 +122,8 @@ class RedisLoadTracker(LoadTracker):
             pipe.hincrby(self.keys[0], f"{replica}:p", int(prefill_tokens))
             pipe.hset(self.keys[0], f"{replica}:t", self._now_ms())
             pipe.hset(self.keys[1], request_id, lease)
+            # no lease without a live heartbeat: another router's sweep would release it
+            pipe.set(self._heartbeat_key, 1, px=int(self.heartbeat_ttl_s * 1000))
             return await pipe.execute()
 
         try:
@@ -173,7 +176,8 @@ class RedisLoadTracker(LoadTracker):
         args = [self._now_ms(), "route", request_id, self.router_id, prompt_tokens, block_size,
                 prefill_rate, work_weight, decode_step_s_per_seq, step_token_budget, tie_abs_s,
                 tie_rel, min(load_factor, 1e9), u, f"{index.ns}:", len(replicas), *replicas,
-                *(int(t * 1000) for t in ttls_s), pack_hashes(block_hashes)]
+                *(int(t * 1000) for t in ttls_s), pack_hashes(block_hashes),
+                self._heartbeat_key, int(self.heartbeat_ttl_s * 1000)]
 
         async def run(c):
             return await self._s(c)[1](keys=keys, args=args)

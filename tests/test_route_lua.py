@@ -206,3 +206,18 @@ async def test_several_routers_keep_affinity_and_spill_at_the_same_load_as_one()
     assert warm_1 >= 0.95 and warm_4 >= 0.95, (warm_1, warm_4)
     assert spill_1 is not None and spill_4 is not None, (spill_1, spill_4)
     assert abs(spill_4 - spill_1) <= 0.2 * spill_1, (spill_1, spill_4)
+
+
+async def test_a_new_routers_first_leases_survive_another_routers_sweep(redis_pair):
+    """No lease exists without its router's heartbeat: the reservation writes both, so a
+    sweep by another router that runs before the new router's heartbeat task (or while its
+    heartbeat write failed) releases nothing. Found by CI: 22 of 24 leases left."""
+    index, load, clock = redis_pair
+    new = RedisLoadTracker(load.conn, load.ns, clock=clock)
+    new.ensure_heartbeat = lambda: None  # its heartbeat task has not run yet
+    await new.route(index, "first", 1000, [1, 2, 3], ["a", "b"], [15.0, 15.0],
+                    **route_kwargs(PrefixAware(), 0.5))
+    await new.reserve("second", "b", 100)
+    assert await load.sweep() == 0
+    assert sum(v.inflight for v in (await load.loads(["a", "b"])).values()) == 2
+    await new.close()

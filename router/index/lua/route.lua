@@ -18,7 +18,10 @@
 --       9 decode_step_s_per_seq, 10 step_token_budget, 11 tie_abs_s, 12 tie_rel,
 --       13 load_factor (bounded load), 14 u (uniform random in [0,1)), 15 key prefix "<ns>:",
 --       16 n_candidates, then n candidate ids, then per candidate its predicted TTL (ms),
---       then the request's block hashes in prompt order, as one space-separated string
+--       then the request's block hashes in prompt order, as one space-separated string;
+--       in route mode also the router's heartbeat key and its TTL (ms), refreshed with the
+--       reservation so that no lease exists without a live heartbeat (another router's
+--       sweep would otherwise release a new router's first leases)
 -- Returns: {chosen index (1-based, 0 in lookup mode), matched blocks per candidate...}
 local now = tonumber(ARGV[1])
 local mode = ARGV[2]
@@ -154,6 +157,7 @@ redis.call('HINCRBY', load, chosen .. ':n', 1)
 redis.call('HINCRBY', load, chosen .. ':p', unc)
 redis.call('HSET', load, chosen .. ':t', now)
 redis.call('HSET', leases, req, chosen .. '|' .. unc .. '|0|' .. ARGV[4])
+redis.call('SET', ARGV[18 + 2 * nc], 1, 'PX', tonumber(ARGV[19 + 2 * nc]))
 
 -- 5. predicted entries for the chosen replica (as record_predicted.lua)
 if nblocks > 0 then
