@@ -27,6 +27,9 @@ requests are never hashed here: the caller routes them by load (see ``router.pro
 from __future__ import annotations
 
 import hashlib
+import threading
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, NewType, Sequence
 
@@ -120,14 +123,20 @@ class HashSettings:
 class BlockHasher:
     """Computes vLLM's chained block hashes for token sequences under fixed settings.
 
-    One instance per set of ``HashSettings``; it caches the chain root. Thread-safe (no
-    mutable state after construction).
+    One instance per set of ``HashSettings``; it caches the chain root, and the digests of
+    the ``recent`` last prompts without extra keys, keyed by their first block: a prompt
+    that shares full blocks with one of them (the next turn of a conversation, another
+    request with the same system prompt) reuses their digests, since a block's digest
+    depends only on the tokens up to its end. Thread-safe (the cache under a lock).
     """
 
-    def __init__(self, settings: HashSettings):
+    def __init__(self, settings: HashSettings, recent: int = 1024):
         self.settings = settings
         self._fn = _HASH_FUNCTIONS[settings.hash_algo]
         self.none_hash: bytes = self._fn(settings.seed)
+        self._recent: OrderedDict[bytes, tuple[list[int], list[bytes]]] = OrderedDict()
+        self._recent_max = recent
+        self._lock = threading.Lock()
 
     def block_digest(self, parent: bytes | None, tokens: Sequence[int],
                      extra_keys: tuple | None = None) -> bytes:
@@ -153,15 +162,7 @@ class BlockHasher:
     def digests(self, token_ids: Sequence[int], *, cache_salt: str | None = None,
                 lora_name: str | None = None, lora_path: str | None = None) -> list[bytes]:
         """Full digests of every full block of ``token_ids`` (len = len(token_ids) // block_size)."""
-        bs = self.settings.block_size
-        plain = lora_name is None and cache_salt is None  # no extra keys on any block
-        out: list[bytes] = []
-        parent: bytes | None = None
-        for i in range(len(token_ids) // bs):
-            extra = None if plain else self.block_extra_keys(i, cache_salt, lora_name, lora_path)
-            parent = self.block_digest(parent, token_ids[i * bs:(i + 1) * bs], extra)
-            out.append(parent)
-        return out
+        return self._chain(token_ids, cache_salt, lora_name, lora_path)[0]
 
     def block_hashes(self, token_ids: Sequence[int], *, cache_salt: str | None = None,
                      lora_name: str | None = None, lora_path: str | None = None) -> list[BlockHash]:
@@ -174,5 +175,59 @@ class BlockHasher:
         Returns:
             ``len(token_ids) // block_size`` hashes; empty for a prompt shorter than a block.
         """
-        return [to_block_hash(d) for d in self.digests(
-            token_ids, cache_salt=cache_salt, lora_name=lora_name, lora_path=lora_path)]
+        return self._chain(token_ids, cache_salt, lora_name, lora_path)[1]
+
+    def _chain(self, token_ids: Sequence[int], cache_salt: str | None, lora_name: str | None,
+               lora_path: str | None) -> tuple[list[bytes], list[BlockHash]]:
+        """(digests, index keys) of the full blocks of ``token_ids``."""
+        bs = self.settings.block_size
+        n = len(token_ids) // bs
+        ids = token_ids[:n * bs] if type(token_ids) is list else list(token_ids[:n * bs])
+        if lora_name is None and cache_salt is None and n:
+            try:
+                packed = array("Q", ids).tobytes()  # the cache's key; refuses negative ids
+            except (OverflowError, TypeError):
+                packed = None
+            if packed is not None:
+                return self._plain_chain(ids, packed)
+        digests: list[bytes] = []
+        parent: bytes | None = None
+        for i in range(n):
+            extra = self.block_extra_keys(i, cache_salt, lora_name, lora_path)
+            parent = self.block_digest(parent, ids[i * bs:(i + 1) * bs], extra)
+            digests.append(parent)
+        return digests, [to_block_hash(d) for d in digests]
+
+    def _plain_chain(self, ids: list[int], packed: bytes) -> tuple[list[bytes], list[BlockHash]]:
+        """``_chain`` without extra keys, reusing the blocks shared with the recent prompt of
+        the same first block (``packed``: ``ids`` as 8-byte words, compared by memcmp)."""
+        bs = self.settings.block_size
+        n = len(ids) // bs
+        first = self.block_digest(None, ids[:bs])
+        with self._lock:
+            known = self._recent.get(first)
+        digests, keys = [first], [to_block_hash(first)]
+        if known is not None:
+            old_packed, old_digests, old_keys = known
+            width = 8 * bs
+            lo, hi = 1, min(n, len(old_digests))  # the longest run of equal leading blocks
+            if packed[:hi * width] == old_packed[:hi * width]:
+                lo = hi
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if packed[:mid * width] == old_packed[:mid * width]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            digests, keys = old_digests[:lo], old_keys[:lo]
+        parent = digests[-1]
+        for i in range(len(digests), n):
+            parent = self.block_digest(parent, ids[i * bs:(i + 1) * bs])
+            digests.append(parent)
+            keys.append(to_block_hash(parent))
+        with self._lock:
+            self._recent[first] = (packed, digests, keys)
+            self._recent.move_to_end(first)
+            while len(self._recent) > self._recent_max:
+                self._recent.popitem(last=False)
+        return list(digests), list(keys)

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +103,72 @@ def _parse_tool_calls(calls: Any) -> list[dict] | None:
     return out
 
 
+class SegmentEncoder:
+    """Encodes rendered chat text piece by piece, with a cache of the long pieces.
+
+    A fast tokenizer cuts its input at added tokens (``<|im_start|>``, ``<|im_end|>``...)
+    before it normalizes and pre-tokenizes, and encodes each piece between them on its own
+    (``tokenizers`` ``AddedVocabulary::extract_and_normalize``, leftmost-longest match). So
+    ``encode(text)`` equals the concatenation of the pieces' encodings, and a piece seen
+    before (a system prompt, an earlier turn of the conversation) need not be encoded again:
+    a follow-up turn costs the tokenization of its new message only. This holds when no
+    added token strips whitespace, matches single words only, or is matched after
+    normalization; for other tokenizers ``usable`` is False and the caller encodes whole.
+
+    Args:
+        tokenizer: a ``transformers`` fast tokenizer.
+        max_chars: bound of the cached pieces' total length (characters); least recently
+            used pieces go first.
+        min_chars: pieces shorter than this are encoded, not cached.
+    """
+
+    def __init__(self, tokenizer, max_chars: int = 32_000_000, min_chars: int = 512):
+        self.max_chars, self.min_chars = max_chars, min_chars
+        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._chars = 0
+        self.hits = self.misses = 0
+        backend = getattr(tokenizer, "_tokenizer", None)
+        added = backend.get_added_tokens_decoder() if backend is not None else {}
+        self.usable = backend is not None and bool(added) and all(
+            not (t.lstrip or t.rstrip or t.single_word or t.normalized) for t in added.values())
+        if not self.usable:
+            return
+        self._backend = backend
+        self._ids = {t.content: i for i, t in added.items()}
+        alternatives = sorted(self._ids, key=len, reverse=True)  # leftmost-longest
+        self._split = re.compile("(" + "|".join(map(re.escape, alternatives)) + ")")
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text`` without the post-processor's special tokens (as
+        ``tokenizer.encode(text, add_special_tokens=False)``). Not thread-safe: the caller
+        holds the tokenizer's lock."""
+        out: list[int] = []
+        for k, piece in enumerate(self._split.split(text)):
+            if k % 2:  # an added token
+                out.append(self._ids[piece])
+            elif piece:
+                out.extend(self._piece(piece))
+        return out
+
+    def _piece(self, piece: str) -> list[int]:
+        if len(piece) < self.min_chars:
+            return self._backend.encode(piece, add_special_tokens=False).ids
+        ids = self._cache.get(piece)
+        if ids is not None:
+            self._cache.move_to_end(piece)
+            self.hits += 1
+            return ids
+        self.misses += 1
+        ids = self._backend.encode(piece, add_special_tokens=False).ids
+        if len(piece) <= self.max_chars:
+            self._cache[piece] = ids
+            self._chars += len(piece)
+            while self._chars > self.max_chars:
+                old, _ = self._cache.popitem(last=False)
+                self._chars -= len(old)
+        return ids
+
+
 def _vllm_chat_request_model():
     """vLLM's own ``ChatCompletionRequest`` when vLLM is installed (it is wherever engines
     run); rendering then sees the request exactly as the engine's server does."""
@@ -129,6 +197,7 @@ class PromptRenderer:
         self.lora_names = lora_names
         self._vllm_request = _vllm_chat_request_model()
         self._lock = threading.Lock()  # HF fast tokenizers are not re-entrant across threads
+        self.segments = SegmentEncoder(self.tokenizer)
         if not getattr(self.tokenizer, "chat_template", None):
             logger.warning("tokenizer at %s has no chat template; chat requests will be "
                            "routed by load", tokenizer_path)
@@ -183,9 +252,14 @@ class PromptRenderer:
         if kwargs["continue_final_message"]:
             kwargs["add_generation_prompt"] = False
         with self._lock:
-            ids = self.tokenizer.apply_chat_template(
-                conversation, tools=tools if tools else None, tokenize=True, return_dict=False,
-                **kwargs)
+            if self.segments.usable:  # equal ids; repeated pieces are not encoded again
+                text = self.tokenizer.apply_chat_template(
+                    conversation, tools=tools if tools else None, tokenize=False, **kwargs)
+                ids = self.segments.encode(text)
+            else:
+                ids = self.tokenizer.apply_chat_template(
+                    conversation, tools=tools if tools else None, tokenize=True,
+                    return_dict=False, **kwargs)
         return PromptInfo(token_ids=list(map(int, ids)))
 
     def _render_completion(self, body: dict[str, Any]) -> PromptInfo:

@@ -73,3 +73,41 @@ def test_mismatches_name_the_differing_settings():
     mine = HashSettings(block_size=32)
     assert mine.mismatches({"block_size": 16, "hash_algo": "xxhash_cbor", "seed": "0",
                             "extra_key_encoding": "vllm-0.32"}) == ["block_size"]
+
+
+def _reference(hasher: BlockHasher, ids: list[int]) -> list[int]:
+    """The chain computed block by block, without the hasher's cache."""
+    bs, out, parent = hasher.settings.block_size, [], None
+    for i in range(len(ids) // bs):
+        parent = hasher.block_digest(parent, ids[i * bs:(i + 1) * bs])
+        out.append(to_block_hash(parent))
+    return out
+
+
+def test_reused_digests_of_recent_prompts_equal_a_fresh_chain():
+    """The cache of recent prompts' digests (keyed by the first block) is exact whatever
+    the new prompt shares with the old: all of it, an extension (the next turn), a prefix,
+    a divergence inside a block or at a block edge, another prompt with the same first
+    block, and after the cache's LRU bound evicted it."""
+    import random
+    rng = random.Random(5)
+    hasher = BlockHasher(HashSettings(block_size=16, hash_algo="xxhash_cbor", seed="0"),
+                         recent=4)
+    base = [rng.randrange(50_000) for _ in range(16 * 40 + 7)]
+    variants = [base, base + [1, 2, 3] * 30, base[:16 * 12 + 5], base[:16 * 20],
+                base[:16 * 20 + 3] + [9] + base[16 * 20 + 4:],  # differs inside block 20
+                base[:16 * 25] + [7] * 16 + base[16 * 26:],     # block 25 replaced
+                base[:16] + [rng.randrange(50_000) for _ in range(300)],  # same first block
+                base[:15] + [0] + base[16:], base]
+    for trial in range(200):
+        ids = rng.choice(variants)
+        if trial % 50 == 49:  # other prompts push the recent ones out
+            for _ in range(6):
+                other = [rng.randrange(50_000) for _ in range(64)]
+                assert hasher.block_hashes(other) == _reference(hasher, other)
+        got = hasher.block_hashes(ids)
+        assert got == _reference(hasher, ids), trial
+        assert [to_block_hash(d) for d in hasher.digests(ids)] == got
+    assert len(hasher._recent) <= 4
+    # negative ids (a bad completion request) are hashed without the cache, not refused
+    assert hasher.block_hashes([-1] * 32) == _reference(hasher, [-1] * 32)

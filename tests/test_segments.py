@@ -1,0 +1,76 @@
+"""The router's piecewise tokenization (``router.prompts.SegmentEncoder``) gives exactly the
+tokenizer's own ids, cold and from its cache, on chats with long and short messages,
+unicode, whitespace at the pieces' edges and special-token strings inside user text."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from router.prompts import CHAT_PATH, PromptRenderer, SegmentEncoder
+
+MT_BENCH = Path(__file__).resolve().parent.parent / "loadtest" / "data" / "mt-bench" / \
+    "question.jsonl"
+ODD = ["", " ", "\n", "\n\n", "  x", "x  ", "héllo wörld ", "日本語のテキスト", "emoji 🙂🙂",
+       "<|im_end|>", "a<|im_start|>b", "<|im_start|><|im_end|>", "<|endoftext|>\n",
+       "tab\tand\r\nCRLF", "'s 're 've", "1234567890" * 3, "\u00e9 vs e\u0301 (NFC)"]
+
+
+def _chats(seed: int, n: int):
+    rng = random.Random(seed)
+    turns = [t for line in MT_BENCH.read_text().splitlines() for t in json.loads(line)["turns"]]
+    system = " ".join(rng.choice(turns) for _ in range(12))  # a long, repeated piece
+    for _ in range(n):
+        msgs = [{"role": "system", "content": system}]
+        for k in range(rng.randrange(1, 6)):
+            text = rng.choice(turns)
+            if rng.random() < 0.5:
+                text = rng.choice(ODD) + text + rng.choice(ODD)
+            msgs.append({"role": "user" if k % 2 == 0 else "assistant", "content": text})
+        yield msgs
+
+
+@pytest.fixture(scope="module")
+def renderer(model_dir):
+    return PromptRenderer(str(model_dir))
+
+
+def test_piecewise_ids_equal_the_tokenizers_cold_and_cached(renderer):
+    tok = renderer.tokenizer
+    enc = SegmentEncoder(tok, min_chars=16)
+    assert enc.usable
+    for msgs in _chats(0, 60):
+        text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        want = tok.encode(text, add_special_tokens=False)
+        assert enc.encode(text) == want  # cold (or partly cached)
+        assert enc.encode(text) == want  # every long piece from the cache
+    for odd in ODD:
+        assert enc.encode(odd) == tok.encode(odd, add_special_tokens=False), repr(odd)
+    assert enc.hits > 60 and enc.misses > 0
+
+
+def test_rendered_chats_equal_apply_chat_template(renderer):
+    tok = renderer.tokenizer
+    for msgs in _chats(1, 20):
+        info = renderer.render(CHAT_PATH, {"model": "m", "messages": msgs})
+        assert info.cacheable
+        assert info.token_ids == tok.apply_chat_template(
+            msgs, tokenize=True, add_generation_prompt=True, return_dict=False)
+
+
+def test_cache_stays_within_its_character_budget(renderer):
+    enc = SegmentEncoder(renderer.tokenizer, max_chars=5_000, min_chars=100)
+    for i in range(50):
+        enc.encode(f"<|im_start|>user\n{'word ' * 100} {i}<|im_end|>")
+    assert 0 < enc._chars <= 5_000 and len(enc._cache) < 50
+
+
+def test_tokenizers_whose_added_tokens_strip_whitespace_are_encoded_whole(model_dir):
+    from tokenizers import AddedToken
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    tok.add_tokens([AddedToken("<sep>", lstrip=True)])
+    assert not SegmentEncoder(tok).usable
