@@ -130,12 +130,18 @@ class BlockHasher:
     depends only on the tokens up to its end. Thread-safe (the cache under a lock).
     """
 
-    def __init__(self, settings: HashSettings, recent: int = 1024):
+    def __init__(self, settings: HashSettings, recent: int = 1024,
+                 recent_tokens: int = 2_000_000):
         self.settings = settings
         self._fn = _HASH_FUNCTIONS[settings.hash_algo]
         self.none_hash: bytes = self._fn(settings.seed)
-        self._recent: OrderedDict[bytes, tuple[list[int], list[bytes]]] = OrderedDict()
+        # first-block digest -> (token ids as 8-byte words, digests, index keys); at most
+        # ``recent`` prompts and ``recent_tokens`` tokens (about 60 bytes per token held)
+        self._recent: OrderedDict[bytes, tuple[bytes, list[bytes], list[BlockHash]]] = \
+            OrderedDict()
         self._recent_max = recent
+        self._recent_bytes_max = 8 * recent_tokens
+        self._recent_bytes = 0
         self._lock = threading.Lock()
 
     def block_digest(self, parent: bytes | None, tokens: Sequence[int],
@@ -226,8 +232,13 @@ class BlockHasher:
             digests.append(parent)
             keys.append(to_block_hash(parent))
         with self._lock:
+            old = self._recent.pop(first, None)
+            if old is not None:
+                self._recent_bytes -= len(old[0])
             self._recent[first] = (packed, digests, keys)
-            self._recent.move_to_end(first)
-            while len(self._recent) > self._recent_max:
-                self._recent.popitem(last=False)
+            self._recent_bytes += len(packed)
+            while self._recent and (len(self._recent) > self._recent_max
+                                    or self._recent_bytes > self._recent_bytes_max):
+                _, (gone, _, _) = self._recent.popitem(last=False)
+                self._recent_bytes -= len(gone)
         return list(digests), list(keys)

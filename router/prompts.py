@@ -27,6 +27,7 @@ import json
 import logging
 import re
 import threading
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -117,14 +118,15 @@ class SegmentEncoder:
 
     Args:
         tokenizer: a ``transformers`` fast tokenizer.
-        max_chars: bound of the cached pieces' total length (characters); least recently
-            used pieces go first.
+        max_chars: bound of the cached pieces' total length (characters; with their ids,
+            held as 4-byte words, about 2.5 bytes per character); least recently used
+            pieces go first.
         min_chars: pieces shorter than this are encoded, not cached.
     """
 
-    def __init__(self, tokenizer, max_chars: int = 32_000_000, min_chars: int = 512):
+    def __init__(self, tokenizer, max_chars: int = 8_000_000, min_chars: int = 512):
         self.max_chars, self.min_chars = max_chars, min_chars
-        self._cache: OrderedDict[str, list[int]] = OrderedDict()
+        self._cache: OrderedDict[str, array] = OrderedDict()
         self._chars = 0
         self.hits = self.misses = 0
         backend = getattr(tokenizer, "_tokenizer", None)
@@ -150,7 +152,7 @@ class SegmentEncoder:
                 out.extend(self._piece(piece))
         return out
 
-    def _piece(self, piece: str) -> list[int]:
+    def _piece(self, piece: str) -> list[int] | array:
         if len(piece) < self.min_chars:
             return self._backend.encode(piece, add_special_tokens=False).ids
         ids = self._cache.get(piece)
@@ -161,7 +163,7 @@ class SegmentEncoder:
         self.misses += 1
         ids = self._backend.encode(piece, add_special_tokens=False).ids
         if len(piece) <= self.max_chars:
-            self._cache[piece] = ids
+            self._cache[piece] = array("I", ids)
             self._chars += len(piece)
             while self._chars > self.max_chars:
                 old, _ = self._cache.popitem(last=False)

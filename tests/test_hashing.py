@@ -111,3 +111,11 @@ def test_reused_digests_of_recent_prompts_equal_a_fresh_chain():
     assert len(hasher._recent) <= 4
     # negative ids (a bad completion request) are hashed without the cache, not refused
     assert hasher.block_hashes([-1] * 32) == _reference(hasher, [-1] * 32)
+
+
+def test_recent_prompt_cache_stays_within_its_token_budget():
+    h = BlockHasher(HashSettings(block_size=16, hash_algo="xxhash_cbor", seed="0"),
+                    recent=100, recent_tokens=200)
+    for k in range(20):
+        h.block_hashes([k * 1000 + i for i in range(64)])
+    assert 0 < h._recent_bytes <= 8 * 200 and len(h._recent) == 3
