@@ -104,6 +104,31 @@ def _parse_tool_calls(calls: Any) -> list[dict] | None:
     return out
 
 
+# The pre-tokenizer of Qwen2 / Qwen2.5 tokenizers (tokenizer.json "pre_tokenizer"): a Split on
+# this regex (GPT-4 style), then byte-level mapping without a prefix space.
+_QWEN2_SPLIT = ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}|"
+                " ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+")
+
+
+def _splits_at_single_spaces(backend) -> bool:
+    """Whether ``backend`` (a ``tokenizers.Tokenizer``) cuts words as Qwen2's pre-tokenizer
+    does, so that a text may be cut before a single space that follows a non-space and
+    precedes a letter: the pattern's word-like alternatives never contain such a space, the
+    whitespace ones never start after a non-space, and NFC never composes across a space."""
+    try:
+        spec = json.loads(backend.to_str())
+    except Exception:
+        return False
+    pre, norm = spec.get("pre_tokenizer") or {}, spec.get("normalizer")
+    steps = pre.get("pretokenizers") or []
+    return (pre.get("type") == "Sequence" and len(steps) == 2
+            and steps[0].get("type") == "Split"
+            and steps[0].get("pattern") == {"Regex": _QWEN2_SPLIT}
+            and steps[0].get("behavior") == "Isolated" and not steps[0].get("invert")
+            and steps[1].get("type") == "ByteLevel" and not steps[1].get("add_prefix_space")
+            and (norm is None or norm.get("type") == "NFC"))
+
+
 class SegmentEncoder:
     """Encodes rendered chat text piece by piece, with a cache of the long pieces.
 
@@ -116,16 +141,24 @@ class SegmentEncoder:
     added token strips whitespace, matches single words only, or is matched after
     normalization; for other tokenizers ``usable`` is False and the caller encodes whole.
 
+    A long piece is further cut into chunks of about ``chunk_chars`` where the tokenizer's
+    own pre-tokenizer cuts words (only for the Qwen2-style pre-tokenizer, checked at start
+    and by a self-test; see ``_splits_at_single_spaces``), and the chunks are encoded by
+    ``encode_batch``, which runs them on the tokenizer's thread pool without the GIL: a
+    long prompt's tokenization uses every core.
+
     Args:
         tokenizer: a ``transformers`` fast tokenizer.
         max_chars: bound of the cached pieces' total length (characters; with their ids,
             held as 4-byte words, about 2.5 bytes per character); least recently used
             pieces go first.
         min_chars: pieces shorter than this are encoded, not cached.
+        chunk_chars: chunk length of long pieces encoded in parallel (0: never).
     """
 
-    def __init__(self, tokenizer, max_chars: int = 8_000_000, min_chars: int = 512):
-        self.max_chars, self.min_chars = max_chars, min_chars
+    def __init__(self, tokenizer, max_chars: int = 8_000_000, min_chars: int = 512,
+                 chunk_chars: int = 4096):
+        self.max_chars, self.min_chars, self.chunk_chars = max_chars, min_chars, chunk_chars
         self._cache: OrderedDict[str, array] = OrderedDict()
         self._chars = 0
         self.hits = self.misses = 0
@@ -139,6 +172,47 @@ class SegmentEncoder:
         self._ids = {t.content: i for i, t in added.items()}
         alternatives = sorted(self._ids, key=len, reverse=True)  # leftmost-longest
         self._split = re.compile("(" + "|".join(map(re.escape, alternatives)) + ")")
+        self.chunked = chunk_chars > 0 and _splits_at_single_spaces(backend)
+        if self.chunked and not self._self_test():
+            logger.warning("chunked tokenization disagrees with the tokenizer on the "
+                           "self-test text; long prompts are encoded whole")
+            self.chunked = False
+
+    def _self_test(self) -> bool:
+        sample = ("The quick brown fox's 12 jumps (over 3.5 lazy dogs) — naïve café, "
+                  "日本語 テキスト, emoji 🙂 a\u0301b; it'LL be   fine.\n\nNew para: x² y, "
+                  "A_b c-d 'quoted' words\tand\r\nlines ") * 40
+        return self._chunks(sample, 37) is not None and [
+            i for c in self._backend.encode_batch(self._chunks(sample, 37),
+                                                  add_special_tokens=False) for i in c.ids
+        ] == self._backend.encode(sample, add_special_tokens=False).ids
+
+    @staticmethod
+    def _chunks(text: str, size: int) -> list[str] | None:
+        """``text`` cut before single spaces that follow a non-space and precede a letter,
+        at about every ``size`` characters; None if no such cut exists."""
+        cuts, pos = [0], size
+        while pos < len(text) - 1:
+            i = text.find(" ", pos)
+            while i != -1 and i < len(text) - 1 and not (
+                    not text[i - 1].isspace() and text[i + 1].isalpha()):
+                i = text.find(" ", i + 1)
+            if i == -1 or i >= len(text) - 1:
+                break
+            cuts.append(i)
+            pos = i + size
+        if len(cuts) == 1:
+            return None
+        cuts.append(len(text))
+        return [text[a:b] for a, b in zip(cuts, cuts[1:])]
+
+    def _encode_piece(self, piece: str) -> list[int]:
+        if self.chunked and len(piece) > 2 * self.chunk_chars:
+            chunks = self._chunks(piece, self.chunk_chars)
+            if chunks:
+                return [i for enc in self._backend.encode_batch(chunks, add_special_tokens=False)
+                        for i in enc.ids]
+        return self._backend.encode(piece, add_special_tokens=False).ids
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` without the post-processor's special tokens (as
@@ -161,7 +235,7 @@ class SegmentEncoder:
             self.hits += 1
             return ids
         self.misses += 1
-        ids = self._backend.encode(piece, add_special_tokens=False).ids
+        ids = self._encode_piece(piece)
         if len(piece) <= self.max_chars:
             self._cache[piece] = array("I", ids)
             self._chars += len(piece)

@@ -74,3 +74,30 @@ def test_tokenizers_whose_added_tokens_strip_whitespace_are_encoded_whole(model_
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     tok.add_tokens([AddedToken("<sep>", lstrip=True)])
     assert not SegmentEncoder(tok).usable
+
+
+def test_long_pieces_cut_for_parallel_encoding_give_the_same_ids(renderer):
+    """Long pieces are cut before single spaces (Qwen2's pre-tokenizer cuts words there)
+    and encoded in parallel: the same ids as one encode, on MT-Bench prose, the odd strings
+    above and random unicode, with tiny chunks so that there are many cuts."""
+    tok = renderer.tokenizer
+    enc = SegmentEncoder(tok, min_chars=16, chunk_chars=20)
+    assert enc.chunked
+    rng = random.Random(3)
+    turns = [t for line in MT_BENCH.read_text().splitlines() for t in json.loads(line)["turns"]]
+    alphabet = "ab cdé 日本 🙂\n\t.,'s-_²1 " + "\u0301"
+    texts = [" ".join(turns[:40]), " ".join(ODD * 5),
+             "".join(rng.choice(alphabet) for _ in range(3000))]
+    texts += [" ".join(rng.choice(turns) + rng.choice(ODD) for _ in range(30)) for _ in range(20)]
+    for text in texts:
+        assert enc._chunks(text, 20) is None or len(enc._chunks(text, 20)) > 1
+        assert enc.encode(text) == tok.encode(text, add_special_tokens=False)
+
+
+def test_other_pre_tokenizers_are_never_cut():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from router.prompts import _splits_at_single_spaces
+    sentencepiece_like = Tokenizer(models.BPE())
+    sentencepiece_like.pre_tokenizer = pre_tokenizers.Metaspace()
+    assert not _splits_at_single_spaces(sentencepiece_like)
