@@ -232,8 +232,9 @@ def bench_concurrent(url: str, tokens: int, concurrency: int, processes: int) ->
     """``concurrency`` chat requests of about ``tokens`` tokens arriving at once, spread
     evenly over ``processes`` ingress processes (as Ray Serve spreads them over ingress
     replicas); arrival-to-dispatch p50/p99 (ms). Each process tokenizes its requests one
-    after another (a fast tokenizer's ``encode`` holds the GIL), so the floor of the p99 is
-    the single-request time x ceil(concurrency / min(processes, cores))."""
+    after another (the renderer holds a lock; a long prompt's chunks are encoded on the
+    tokenizer's thread pool), so the p99 is bounded below by the total tokenization work
+    over the cores the processes get."""
     import multiprocessing as mp
     import os
 
