@@ -162,6 +162,7 @@ class SegmentEncoder:
         self._cache: OrderedDict[str, array] = OrderedDict()
         self._chars = 0
         self.hits = self.misses = 0
+        self.chunked = False
         backend = getattr(tokenizer, "_tokenizer", None)
         added = backend.get_added_tokens_decoder() if backend is not None else {}
         self.usable = backend is not None and bool(added) and all(
