@@ -45,17 +45,13 @@ local function held_prefix(xkey, pkey)
     local ex = redis.call('HMGET', xkey, unpack(H, i + 1, last))
     local n = last - i
     local k = 1
-    while k <= n do
-      local c = tonumber(ex[k])
-      if not (c and c > 0) then break end
-      k = k + 1
-    end
+    while k <= n and ex[k] do k = k + 1 end  -- exact entries exist only with copies >= 1
     if k <= n then
       -- the exact run ends inside this chunk: the rest may still be held as predicted
       local pr = redis.call('HMGET', pkey, unpack(H, i + k, last))
       for m = k, n do
-        local c, e = tonumber(ex[m]), tonumber(pr[m - k + 1])
-        if not ((c and c > 0) or (e and e > now)) then return i + m - 1 end
+        local e = pr[m - k + 1]
+        if not (ex[m] or (e and tonumber(e) > now)) then return i + m - 1 end
       end
     end
     i = last
