@@ -172,10 +172,14 @@ class IngressCore:
             body = json.loads(raw)
         except (ValueError, UnicodeDecodeError) as exc:
             raise bad_request(f"request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise bad_request("request body is nested too deeply") from None
         if not isinstance(body, dict):
             raise bad_request("request body must be a JSON object")
         try:
             parsed = _SCHEMAS[path].model_validate(body)
+        except RecursionError:
+            raise bad_request("request body is nested too deeply") from None
         except ValidationError as exc:
             msg, param = _validation_message(exc)
             raise bad_request(msg, param) from None
