@@ -127,6 +127,11 @@ class Settings(BaseSettings):
     port: int = Field(8000, description="HTTP port of Ray Serve's proxy.")
     max_body_bytes: int = Field(100 * 1024 * 1024, gt=0,
                                 description="Largest request body accepted (413 beyond).")
+    route_tokenize_max_bytes: int = Field(
+        4 * 1024 * 1024, gt=0, description="Request bodies larger than this are routed by "
+                                           "load without rendering or tokenizing the prompt "
+                                           "(a 20 MB prompt took 25 s to tokenize; the engine "
+                                           "gives the authoritative answer).")
     request_timeout_s: float = Field(
         1800.0, gt=0, description="Upper bound of one request to an engine.")
 

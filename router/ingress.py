@@ -34,7 +34,7 @@ from router.config import Settings
 from router.errors import OpenAIError, bad_request, no_replicas
 from router.hashing import BlockHasher
 from router.policies import LIVE_POLICIES
-from router.prompts import CHAT_PATH, COMPLETIONS_PATH, PromptRenderer
+from router.prompts import CHAT_PATH, COMPLETIONS_PATH, PromptInfo, PromptRenderer
 from router.protocol import ReplicaHead, RoutedRequest
 
 logger = logging.getLogger("ray.serve")
@@ -183,7 +183,10 @@ class IngressCore:
         except ValidationError as exc:
             msg, param = _validation_message(exc)
             raise bad_request(msg, param) from None
-        info = self.renderer.render(path, body)
+        if len(raw) > self.settings.route_tokenize_max_bytes:
+            info = PromptInfo(cacheable=False, reason="too long to tokenize for routing")
+        else:
+            info = self.renderer.render(path, body)
         hashes = self.hasher.block_hashes(info.token_ids, cache_salt=info.cache_salt,
                                           lora_name=info.lora_name) if info.cacheable else []
         return RoutedRequest(request_id=uuid.uuid4().hex, path=path, body=raw,

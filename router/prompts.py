@@ -160,6 +160,7 @@ class SegmentEncoder:
                  chunk_chars: int = 4096):
         self.max_chars, self.min_chars, self.chunk_chars = max_chars, min_chars, chunk_chars
         self._cache: OrderedDict[str, array] = OrderedDict()
+        self._cache_lock = threading.Lock()  # encoding itself runs outside any lock
         self._chars = 0
         self.hits = self.misses = 0
         self.chunked = False
@@ -208,17 +209,20 @@ class SegmentEncoder:
         return [text[a:b] for a, b in zip(cuts, cuts[1:])]
 
     def _encode_piece(self, piece: str) -> list[int]:
+        """A long piece's ids through ``encode_batch``, which releases the GIL (``encode``
+        holds it: a long prompt would stop the event loop and every other request)."""
+        chunks = None
         if self.chunked and len(piece) > 2 * self.chunk_chars:
             chunks = self._chunks(piece, self.chunk_chars)
-            if chunks:
-                return [i for enc in self._backend.encode_batch(chunks, add_special_tokens=False)
-                        for i in enc.ids]
-        return self._backend.encode(piece, add_special_tokens=False).ids
+        return [i for enc in self._backend.encode_batch(chunks or [piece],
+                                                        add_special_tokens=False)
+                for i in enc.ids]
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text`` without the post-processor's special tokens (as
-        ``tokenizer.encode(text, add_special_tokens=False)``). Not thread-safe: the caller
-        holds the tokenizer's lock."""
+        ``tokenizer.encode(text, add_special_tokens=False)``). Thread-safe: encoding only
+        reads the tokenizer (shared borrows), the cache has its own lock; so one huge prompt
+        does not hold up the others."""
         out: list[int] = []
         for k, piece in enumerate(self._split.split(text)):
             if k % 2:  # an added token
@@ -230,19 +234,22 @@ class SegmentEncoder:
     def _piece(self, piece: str) -> list[int] | array:
         if len(piece) < self.min_chars:
             return self._backend.encode(piece, add_special_tokens=False).ids
-        ids = self._cache.get(piece)
-        if ids is not None:
-            self._cache.move_to_end(piece)
-            self.hits += 1
-            return ids
-        self.misses += 1
+        with self._cache_lock:
+            ids = self._cache.get(piece)
+            if ids is not None:
+                self._cache.move_to_end(piece)
+                self.hits += 1
+                return ids
+            self.misses += 1
         ids = self._encode_piece(piece)
         if len(piece) <= self.max_chars:
-            self._cache[piece] = array("I", ids)
-            self._chars += len(piece)
-            while self._chars > self.max_chars:
-                old, _ = self._cache.popitem(last=False)
-                self._chars -= len(old)
+            with self._cache_lock:
+                if piece not in self._cache:
+                    self._cache[piece] = array("I", ids)
+                    self._chars += len(piece)
+                while self._chars > self.max_chars:
+                    old, _ = self._cache.popitem(last=False)
+                    self._chars -= len(old)
         return ids
 
 
@@ -328,12 +335,13 @@ class PromptRenderer:
         kwargs.setdefault("continue_final_message", body.get("continue_final_message", False))
         if kwargs["continue_final_message"]:
             kwargs["add_generation_prompt"] = False
-        with self._lock:
-            if self.segments.usable:  # equal ids; repeated pieces are not encoded again
+        if self.segments.usable:  # equal ids; repeated pieces are not encoded again
+            with self._lock:
                 text = self.tokenizer.apply_chat_template(
                     conversation, tools=tools if tools else None, tokenize=False, **kwargs)
-                ids = self.segments.encode(text)
-            else:
+            ids = self.segments.encode(text)  # outside the lock (see SegmentEncoder.encode)
+        else:
+            with self._lock:
                 ids = self.tokenizer.apply_chat_template(
                     conversation, tools=tools if tools else None, tokenize=True,
                     return_dict=False, **kwargs)

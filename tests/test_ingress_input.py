@@ -25,3 +25,17 @@ async def test_deeply_nested_json_is_a_400(ingress, path, depth):
     with pytest.raises(OpenAIError) as err:
         await ingress.prepare(path, raw)
     assert err.value.status == 400 and "nested" in err.value.body()["error"]["message"]
+
+
+async def test_bodies_beyond_the_tokenize_limit_are_routed_by_load(model_dir):
+    """Found by a break test: a 20 MB prompt was tokenized for 25 s before the engine
+    refused it, holding up every other request. Beyond ``route_tokenize_max_bytes`` the
+    prompt is not tokenized: it is routed by load and the engine answers."""
+    import json
+    ingress = IngressCore(Settings(model=str(model_dir), route_tokenize_max_bytes=10_000),
+                          engine_handle=None)
+    small = json.dumps({"model": "m", "prompt": "word " * 100}).encode()
+    big = json.dumps({"model": "m", "prompt": "word " * 10_000}).encode()
+    assert (await ingress.prepare(COMPLETIONS_PATH, small)).block_hashes
+    req = await ingress.prepare(COMPLETIONS_PATH, big)
+    assert req.block_hashes == [] and req.prompt_tokens == 0
