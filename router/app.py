@@ -22,6 +22,7 @@ from router.config import DEFAULT_MODEL_DIR, Settings
 from router.errors import OpenAIError, no_replicas
 from router.ingress import IngressCore, build_fastapi_app
 from router.prompts import CHAT_PATH, COMPLETIONS_PATH
+from router.protocol import route_label
 from router.routing import hash_mismatches
 
 logger = logging.getLogger("ray.serve")
@@ -68,7 +69,7 @@ class Ingress:
 
     async def _infer(self, path: str, request: Request) -> Response:
         t0 = time.perf_counter()
-        route = path.rsplit("/", 1)[-1]
+        route = route_label(path)
         from router import metrics
         try:
             raw = await _read_body(request, self.settings.max_body_bytes)
@@ -100,8 +101,17 @@ class Ingress:
         if state.peek("replica_count") == 0:
             err = no_replicas()
             return JSONResponse(err.body(), status_code=503, headers=err.headers)
-        body = await self.engine_handle.models.remote()
-        return JSONResponse(body)
+        # A replica whose engine is down (restarting) fails this call: ask again, Serve
+        # picks a replica by load; then a JSON 503, never a plain-text 500.
+        for attempt in range(3):
+            try:
+                return JSONResponse(await self.engine_handle.models.remote())
+            except Exception as exc:
+                logger.warning("model list from a replica failed (%s: %s)",
+                               type(exc).__name__, exc)
+        err = OpenAIError(503, "no engine replica answered the model list; retry shortly",
+                          "ServiceUnavailableError", headers={"retry-after": "1"})
+        return JSONResponse(err.body(), status_code=503, headers=err.headers)
 
     @fastapi_app.get("/health")
     async def health(self) -> Response:

@@ -35,7 +35,7 @@ from router.errors import OpenAIError, bad_request, no_replicas
 from router.hashing import BlockHasher
 from router.policies import LIVE_POLICIES
 from router.prompts import CHAT_PATH, COMPLETIONS_PATH, PromptInfo, PromptRenderer
-from router.protocol import ReplicaHead, RoutedRequest
+from router.protocol import ReplicaHead, RoutedRequest, route_label
 
 logger = logging.getLogger("ray.serve")
 
@@ -237,14 +237,12 @@ class IngressCore:
                 raise bad_request(f"unknown routing policy {policy!r}; choose from "
                                   f"{sorted(LIVE_POLICIES)}", "x-routing-policy")
             req.policy = policy
-        route = path.rsplit("/", 1)[-1]
+        route = route_label(path)
+        req.t_arrival = t_arrival
         for attempt in (1, 2):
             dispatch = _Dispatch(self, req, route, t_arrival)
             try:
                 head = await dispatch.start()
-                if attempt == 1:
-                    metrics.get("overhead").observe(time.perf_counter() - t_arrival,
-                                                    tags={"policy": self.policy_name})
                 self.health.record(dispatch.replica, not head.retryable)
                 if head.retryable and attempt == 1:
                     logger.warning("replica %s failed before the first byte (%s %s); retrying "

@@ -36,6 +36,8 @@ class RoutedRequest:
         policy: a policy name that overrides the configured one for this request (only
             when ``Settings.allow_policy_override``; benchmarks compare policies this way
             on the same replicas).
+        t_arrival: ``time.perf_counter()`` at the ingress when the request arrived (the
+            router, in the same process, measures arrival to dispatch from it).
     """
 
     request_id: str
@@ -50,6 +52,12 @@ class RoutedRequest:
     routing_reason: str = ""
     policy: str | None = None
     closed: bool = False
+    t_arrival: float = 0.0
+
+
+def route_label(path: str) -> str:
+    """The ``route`` label of metrics: ``chat`` or ``completions``."""
+    return "chat" if path.endswith("/chat/completions") else "completions"
 
 
 @dataclass

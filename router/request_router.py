@@ -84,8 +84,11 @@ class PrefixCacheRequestRouter(RequestRouter):
                              req.request_id)
             metrics.inc("decisions", tags={"reason": "fallback", "policy": self.policy.name})
             return [candidate_replicas]
-        metrics.get("decision_time").observe(time.perf_counter() - t0,
-                                             tags={"policy": self.policy.name})
+        now = time.perf_counter()
+        metrics.get("decision_time").observe(now - t0, tags={"policy": self.policy.name})
+        if req.t_arrival and not req.excluded_replicas:  # first attempt: arrival to dispatch
+            metrics.get("overhead").observe(now - req.t_arrival,
+                                            tags={"policy": self.policy.name})
         return ranked
 
     async def _choose(self, candidate_replicas: List[RunningReplica],
