@@ -27,6 +27,7 @@ from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from router import metrics, state
@@ -207,6 +208,9 @@ class IngressCore:
         """The replica's head, or 503 when no replica exists (a Serve handle would wait
         forever with zero replicas, DESIGN.md decision 6)."""
         task = asyncio.ensure_future(gen.__anext__())
+        # a cancelled request's pending head ends in an exception nobody awaits: take it
+        # here, or asyncio logs "Task exception was never retrieved" for every disconnect
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
         try:
             while True:
                 done, _ = await asyncio.wait({task}, timeout=0.5)
@@ -395,5 +399,13 @@ def build_fastapi_app() -> FastAPI:
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError):
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        """Unknown paths and methods in the OpenAI error shape, not FastAPI's ``detail``."""
+        err = OpenAIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                          "NotFoundError" if exc.status_code == 404 else "InvalidRequestError",
+                          headers=dict(exc.headers or {}))
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=err.headers)
 
     return app

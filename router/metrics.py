@@ -2,8 +2,10 @@
 
 ``ray.util.metrics`` sends every process's records to Ray's per-node exporter, so counters
 from several ingress and replica processes add up in one export (DESIGN.md decision 6).
-Names follow FAULTS.md section 0 where it names them. Ray prefixes exported names with
-``ray_`` (``ray_router_decision_total``...). Counters are totals, never last-value gauges
+Names follow FAULTS.md section 0 where it names them. Ray's exporter prefixes names with
+``ray_`` (``ray_router_decision_total``...); the router's ``/metrics`` strips it again after
+summing over processes (``aggregate_ray_export``), so clients see ``router_...``. Counters
+are totals, never last-value gauges
 of a ratio (FAULTS.md 12.1): a hit rate is ``cached / prompt`` over a window.
 
 Metric objects are created lazily, once per process (a Serve deployment re-pickles the

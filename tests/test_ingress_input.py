@@ -39,3 +39,21 @@ async def test_bodies_beyond_the_tokenize_limit_are_routed_by_load(model_dir):
     assert (await ingress.prepare(COMPLETIONS_PATH, small)).block_hashes
     req = await ingress.prepare(COMPLETIONS_PATH, big)
     assert req.block_hashes == [] and req.prompt_tokens == 0
+
+
+def test_unknown_paths_and_methods_get_the_openai_error_shape():
+    """Found by a break test: FastAPI's ``{"detail": "Not Found"}`` instead of an OpenAI
+    error body."""
+    from fastapi.testclient import TestClient
+
+    from router.ingress import build_fastapi_app
+    app = build_fastapi_app()
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": []}
+
+    client = TestClient(app)
+    for r, status in ((client.get("/v1/nope"), 404), (client.post("/v1/models"), 405)):
+        assert r.status_code == status
+        assert r.json()["error"]["code"] == status and r.json()["error"]["message"]
