@@ -17,7 +17,7 @@ from typing import Sequence
 
 from router.config import Settings
 from router.hashing import HashSettings
-from router.index.base import IndexUnavailable, KVEvent, PrefixIndex
+from router.index.base import IndexUnavailable, PrefixIndex
 from router.load import LoadTracker
 from router.policies import (Candidate, Decision, Policy, PrefixAware, RouteRequest,
                              cached_tokens)
@@ -76,35 +76,21 @@ class RoutingCore:
                                and isinstance(index, RedisPrefixIndex)) else None
         self._mismatch_logged: set[str] = set()
         self._restarts_seen: dict[str, int] = {}
-        self._restarted: set[str] = set()  # engine restarted; index entries to clear
 
     def usable(self, replica: ReplicaInfo) -> bool:
         """Not known dead (its engine reported down, or its circuit is open). A replica
-        whose engine was restarted since its failures starts with a closed circuit, and
-        with no index entries (see ``forget_restarted``)."""
+        whose engine was restarted since its failures starts with a closed circuit."""
         if replica.stats.get("engine_alive") is False:
             return False
+        if self.health is None:
+            return True
         restarts = replica.stats.get("restarts")
         if restarts is not None and restarts != self._restarts_seen.get(replica.replica_id,
                                                                         restarts):
-            self._restarted.add(replica.replica_id)
-            if self.health is not None:
-                self.health.forget(replica.replica_id)
+            self.health.forget(replica.replica_id)
         if restarts is not None:
             self._restarts_seen[replica.replica_id] = restarts
-        return self.health is None or self.health.available(replica.replica_id)
-
-    async def forget_restarted(self) -> None:
-        """Clear the index entries of replicas whose engine restarted since they were last
-        seen: its cache is empty, and its predicted entries would promise hits until the
-        new engine's first KV event clears them (found by a break test: one wasted
-        prefill per stale prefix)."""
-        for replica in list(self._restarted):
-            try:
-                await self.index.apply_events(replica, [KVEvent("cleared")])
-                self._restarted.discard(replica)
-            except IndexUnavailable:
-                return
+        return self.health.available(replica.replica_id)
 
     def compatible(self, replica: ReplicaInfo) -> bool:
         """Whether the replica's engine hashes blocks as the router does.
@@ -137,8 +123,6 @@ class RoutingCore:
         """
         policy = policy or self.policy
         usable = [r for r in replicas if self.usable(r)] or list(replicas)
-        if self._restarted:
-            await self.forget_restarted()
         ok = [r for r in usable if self.compatible(r)]
         pool = ok or usable
         ids = [r.replica_id for r in pool]

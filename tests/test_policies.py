@@ -168,28 +168,3 @@ async def test_replica_with_other_hash_settings_is_excluded():
 def test_unknown_policy_name_is_refused():
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("fastest")
-
-
-async def test_a_restarted_engines_entries_are_forgotten_at_once():
-    """Found by a break test: after a replica restarted its engine, the router still
-    predicted hits there from its predicted entries until the new engine's first KV event.
-    The replica's restart count changing clears its entries before the next decision."""
-    import random
-
-    from router.config import Settings
-    from router.index.memory import MemoryPrefixIndex
-    from router.load import MemoryLoadTracker
-    from router.routing import ReplicaInfo, RoutingCore
-    core = RoutingCore(Settings(), MemoryPrefixIndex(), MemoryLoadTracker(),
-                       PrefixAware(random.Random(0)))
-    hashes = list(range(1, 41))
-    reps = [ReplicaInfo("a", {}, {"restarts": 0}), ReplicaInfo("b", {}, {"restarts": 0})]
-    first = await core.decide("q1", 1300, hashes, reps)
-    await core.load.release("q1")
-    again = await core.decide("q2", 1300, hashes, reps)
-    await core.load.release("q2")
-    assert again.reason == "cache" and again.replica == first.replica
-    restarted = [ReplicaInfo(r.replica_id, {}, {"restarts": int(r.replica_id == first.replica)})
-                 for r in reps]
-    after = await core.decide("q3", 1300, hashes, restarted)
-    assert after.reason == "load" and max(after.predicted_cached_tokens.values()) == 0
