@@ -237,7 +237,8 @@ class PrefixAware(Policy):
 
     def choose(self, request, candidates):
         bound = self.load_bound(candidates)
-        within = [c for c in candidates if c.load.inflight + 1 <= bound] or list(candidates)
+        within = [c for c in candidates
+                  if max(c.load.inflight, 0) + 1 <= bound] or list(candidates)
         costs = {c.replica: self.cost_s(request, c) for c in candidates}
         predicted = self._predicted(request, candidates)
         pool = within
@@ -248,8 +249,10 @@ class PrefixAware(Policy):
         # longest since an assignment, then chance.
         most_cached = max(predicted[c.replica] for c in ties)
         ties = [c for c in ties if predicted[c.replica] == most_cached]
-        fewest = min(c.load.inflight for c in ties)
-        ties = [c for c in ties if c.load.inflight == fewest]
+        # counts below zero (a shared count that lost an increment) count as zero: never
+        # a reason to send everything to one replica
+        fewest = min(max(c.load.inflight, 0) for c in ties)
+        ties = [c for c in ties if max(c.load.inflight, 0) == fewest]
         oldest = min(c.load.last_assigned_s for c in ties)
         finalists = [c for c in ties if c.load.last_assigned_s <= oldest + 0.001]
         pick = finalists[int(self.rng.random() * len(finalists))]  # as lua/route.lua does

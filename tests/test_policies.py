@@ -168,3 +168,13 @@ async def test_replica_with_other_hash_settings_is_excluded():
 def test_unknown_policy_name_is_refused():
     with pytest.raises(ValueError, match="unknown policy"):
         make_policy("fastest")
+
+
+def test_a_negative_shared_count_does_not_draw_every_request():
+    """Seen in CI: a replica's shared in-flight count at -8 made "fewest in flight" send
+    every new conversation there. Counts below zero count as zero in the tie-break."""
+    p = PrefixAware(random.Random(0))
+    cands = [Candidate("a", load=ReplicaLoad(inflight=-8, last_assigned_s=5.0)),
+             Candidate("b", load=ReplicaLoad(inflight=0, last_assigned_s=1.0))]
+    req = RouteRequest(prompt_tokens=300, block_size=32, num_blocks=9)
+    assert p.choose(req, cands).replica == "b"  # tie at zero: the oldest assignment

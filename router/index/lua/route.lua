@@ -92,7 +92,7 @@ for j = 1, nc do
   local v = redis.call('HMGET', load, r .. ':n', r .. ':p', r .. ':t')
   local n = tonumber(v[1] or '0'); local q = tonumber(v[2] or '0')
   last[j] = tonumber(v[3] or '0')
-  inflight[j] = n
+  inflight[j] = math.max(n, 0)  -- as the Python policy: a count below zero counts as zero
   total = total + math.max(n, 0)
   local hit = 0
   if P > 0 then hit = math.min(matched[j], math.floor((P - 1) / bs)) * bs end
