@@ -156,6 +156,7 @@ class IngressCore:
         self.hasher = BlockHasher(settings.hash_settings)
         self.load = state.make_load_tracker(settings)
         self.health = state.replica_health()
+        self.policy_name = settings.policy
         self.inflight: dict[str, int] = {}  # this process's own dispatches, per replica
 
     def _count_inflight(self, replica: str, delta: int) -> None:
