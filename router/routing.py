@@ -111,7 +111,7 @@ class RoutingCore:
 
     async def decide(self, request_id: str, prompt_tokens: int, block_hashes: Sequence[int],
                      replicas: Sequence[ReplicaInfo], cacheable: bool = True,
-                     policy: Policy | None = None, _fallback: bool = False,
+                     policy: Policy | None = None,
                      text: str = "", first_user_text: str = "") -> Decision:
         """Choose a replica among ``replicas`` (non-empty) and reserve its load.
 
@@ -121,6 +121,16 @@ class RoutingCore:
         Returns:
             The policy's ``Decision``; ``reason`` is ``fallback`` when the index failed.
         """
+        decision = await self._decide(request_id, prompt_tokens, block_hashes, replicas,
+                                      cacheable, policy, False, text, first_user_text)
+        if self.health is not None:
+            self.health.routed(decision.replica)  # a half-open replica's probe
+        return decision
+
+    async def _decide(self, request_id: str, prompt_tokens: int, block_hashes: Sequence[int],
+                      replicas: Sequence[ReplicaInfo], cacheable: bool,
+                      policy: Policy | None, _fallback: bool,
+                      text: str, first_user_text: str) -> Decision:
         policy = policy or self.policy
         usable = [r for r in replicas if self.usable(r)] or list(replicas)
         ok = [r for r in usable if self.compatible(r)]
@@ -133,8 +143,8 @@ class RoutingCore:
                                                  pool, policy)
             except IndexUnavailable as exc:
                 self._index_error(exc, "route")
-                return await self.decide(request_id, prompt_tokens, block_hashes, pool,
-                                         cacheable=False, policy=policy, _fallback=True)
+                return await self._decide(request_id, prompt_tokens, block_hashes, pool,
+                                          False, policy, True, text, first_user_text)
         matched: dict[str, int] = {}
         index_failed = _fallback
         if policy.uses_index and block_hashes and cacheable and ok:
@@ -223,6 +233,8 @@ class RoutingCore:
                     block_hashes: Sequence[int], predicted_cached_tokens: int) -> None:
         """Serve sent the request to ``replica``, not the router's choice: move its
         reservation and predicted entries there."""
+        if self.health is not None:
+            self.health.routed(replica.replica_id)
         await self.load.reserve(request_id, replica.replica_id,
                                 max(prompt_tokens - predicted_cached_tokens, 0))
         if block_hashes:
