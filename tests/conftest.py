@@ -147,3 +147,47 @@ def service(serve_http_port, model_dir) -> Service:
     wait_until(lambda: svc.client.get("/health").json().get("replicas") == 2, 300, 1.0,
                "both engine replicas")
     return svc
+
+
+def load_accounting(client, ns: str) -> dict:
+    """The shared load against its leases, per replica: ``{replica: (in flight, leases,
+    queued prefill, undone lease prefill)}``, plus ``"leases"``: the raw leases."""
+    load = {k.decode(): int(v) for k, v in client.hgetall(f"{ns}:load").items()}
+    leases = {k.decode(): v.decode() for k, v in client.hgetall(f"{ns}:leases").items()}
+    out: dict = {}
+    for field, v in load.items():
+        rep, kind = field.rsplit(":", 1)
+        row = out.setdefault(rep, [0, 0, 0, 0])
+        if kind == "n":
+            row[0] = v
+        elif kind == "p":
+            row[2] = v
+    for lease in leases.values():
+        rep, prefill, done, _ = lease.split("|")
+        row = out.setdefault(rep, [0, 0, 0, 0])
+        row[1] += 1
+        row[3] += int(prefill) if done == "0" else 0
+    return {"replicas": {r: tuple(v) for r, v in out.items()}, "leases": leases}
+
+
+def assert_no_load_left(client, ns: str, timeout_s: float = 15.0) -> None:
+    """Every request is over: no lease remains and every count is back to 0 (a count that
+    moved without its lease, or a lease left behind, fails here with the whole picture)."""
+    def idle():
+        acc = load_accounting(client, ns)
+        return not acc["leases"] and all(n == 0 and p == 0 for n, _, p, _ in
+                                         acc["replicas"].values())
+    try:
+        wait_until(idle, timeout_s, 0.2, "the shared load back to 0 with no lease left")
+    except AssertionError:
+        raise AssertionError(load_accounting(client, ns)) from None
+
+
+@pytest.fixture(autouse=True)
+def _main_service_leaves_no_load(request):
+    """After each test on the main service: no lease and no count left in the shared Redis."""
+    yield
+    if "service" in request.fixturenames:
+        import redis
+        svc = request.getfixturevalue("service")
+        assert_no_load_left(redis.Redis.from_url(REDIS_URL, socket_timeout=5), svc.namespace)

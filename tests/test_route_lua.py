@@ -221,3 +221,47 @@ async def test_a_new_routers_first_leases_survive_another_routers_sweep(redis_pa
     assert await load.sweep() == 0
     assert sum(v.inflight for v in (await load.loads(["a", "b"])).values()) == 2
     await new.close()
+
+
+async def _accounting(load: RedisLoadTracker) -> tuple[dict, dict]:
+    async def run(c):
+        return await c.hgetall(load.keys[0]), await c.hgetall(load.keys[1])
+    raw_load, leases = await load.conn.call(run)
+    counts = {k.decode(): int(v) for k, v in raw_load.items()
+              if not k.decode().endswith(":t")}
+    return counts, {k.decode(): v.decode() for k, v in leases.items()}
+
+
+async def test_leases_of_zero_prefill_tokens_are_released_exactly_once(redis_pair):
+    """A request with no prompt tokens known (an empty or unparsed prompt) holds a lease of
+    0 tokens. Its release negated 0 into -0, which the real Redis refuses in HINCRBY: the
+    script stopped after decrementing the in-flight count and kept the lease, so every
+    retry and every sweep decremented again (CI's counts at -8 and -20)."""
+    index, load, clock = redis_pair
+    other = RedisLoadTracker(load.conn, load.ns, clock=clock)
+    await load.reserve("empty", "a", 0)
+    await load.prefill_done("empty")
+    await load.release("empty")
+    await load.release("empty")
+    await load.route(index, "twice", 0, [], ["a", "b"], [15.0, 15.0],
+                     **route_kwargs(PrefixAware(), 0.2))
+    await load.route(index, "twice", 0, [], ["a", "b"], [15.0, 15.0],
+                     **route_kwargs(PrefixAware(), 0.7))  # re-reservation of a 0-token lease
+    await load.release("twice")
+    await other.reserve("orphan", "b", 0)  # then its router dies
+    await other.close()
+    await load.conn.call(lambda c: c.delete(f"{load.ns}:router:{other.router_id}"))
+    assert await load.sweep() == 1
+    assert await load.sweep() == 0
+    counts, leases = await _accounting(load)
+    assert leases == {} and set(counts.values()) <= {0}, (counts, leases)
+
+
+async def test_a_lease_this_code_did_not_write_is_dropped_without_touching_counts(redis_pair):
+    index, load, clock = redis_pair
+    await load.reserve("ok", "a", 10)
+    await load.conn.call(lambda c: c.hset(load.keys[1], "junk", "not a lease"))
+    await load.release("junk")
+    await load.sweep()
+    counts, leases = await _accounting(load)
+    assert leases == {"ok": leases["ok"]} and counts == {"a:n": 1, "a:p": 10}

@@ -6,16 +6,23 @@
 --          key is released)
 --   purge: ARGV[2] replica id (it left: drop its load and leases)
 -- Idempotent: a lease is removed once, and only a present lease changes the counters.
+-- A lease is deleted before its counters change, and a zero change is never sent: Redis
+-- refuses HINCRBY by -0 (the negation of a 0-token lease), and a script stopped between
+-- the two would decrement again at every retry or sweep (CI saw counts at -8 and -20).
 local load, leases, op = KEYS[1], KEYS[2], ARGV[1]
 local function parse(v)
   local r, p, done, router = string.match(v, '^(.-)|(%d+)|(%d)|(.*)$')
   return r, tonumber(p), done, router
 end
+local function add(field, delta)
+  if delta ~= 0 then redis.call('HINCRBY', load, field, delta) end
+end
 local function release(req, v)
   local r, p, done = parse(v)
-  redis.call('HINCRBY', load, r .. ':n', -1)
-  if done == '0' then redis.call('HINCRBY', load, r .. ':p', -p) end
   redis.call('HDEL', leases, req)
+  if not r then return end  -- not a lease this script wrote: dropped, no counter touched
+  add(r .. ':n', -1)
+  if done == '0' then add(r .. ':p', -p) end
 end
 if op == 'release' then
   local v = redis.call('HGET', leases, ARGV[2])
@@ -25,16 +32,18 @@ elseif op == 'prefill_done' then
   local v = redis.call('HGET', leases, ARGV[2])
   if not v then return 0 end
   local r, p, done, router = parse(v)
-  if done == '1' then return 0 end
-  redis.call('HINCRBY', load, r .. ':p', -p)
+  if not r or done == '1' then return 0 end
   redis.call('HSET', leases, ARGV[2], r .. '|' .. p .. '|1|' .. router)
+  add(r .. ':p', -p)
   return 1
 elseif op == 'sweep' then
   local all = redis.call('HGETALL', leases)
   local n = 0
   for k = 1, #all, 2 do
     local r, p, done, router = parse(all[k + 1])
-    if redis.call('EXISTS', ARGV[2] .. router) == 0 then release(all[k], all[k + 1]); n = n + 1 end
+    if not r or redis.call('EXISTS', ARGV[2] .. router) == 0 then
+      release(all[k], all[k + 1]); n = n + 1
+    end
   end
   return n
 elseif op == 'purge' then

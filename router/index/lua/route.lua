@@ -75,13 +75,19 @@ local u = tonumber(ARGV[14]); local prefix = ARGV[15]
 local load = KEYS[1]; local leases = KEYS[2]
 local req = ARGV[3]
 
+-- counters never change by 0: Redis refuses HINCRBY by -0 (see lease.lua)
+local function add(field, delta)
+  if delta ~= 0 then redis.call('HINCRBY', load, field, delta) end
+end
 -- an earlier reservation of this request (Serve may ask again) is released first
 local old = redis.call('HGET', leases, req)
 if old then
   local r, p, done = string.match(old, '^(.-)|(%d+)|(%d)|')
-  redis.call('HINCRBY', load, r .. ':n', -1)
-  if done == '0' then redis.call('HINCRBY', load, r .. ':p', -tonumber(p)) end
   redis.call('HDEL', leases, req)
+  if r then
+    add(r .. ':n', -1)
+    if done == '0' then add(r .. ':p', -tonumber(p)) end
+  end
 end
 
 local cost, cached, last, inflight = {}, {}, {}, {}
@@ -149,8 +155,8 @@ local chosen = cands[pick]
 
 -- 4. reserve
 local unc = math.max(P - cached[pick], 0)
-redis.call('HINCRBY', load, chosen .. ':n', 1)
-redis.call('HINCRBY', load, chosen .. ':p', unc)
+add(chosen .. ':n', 1)
+add(chosen .. ':p', unc)
 redis.call('HSET', load, chosen .. ':t', now)
 redis.call('HSET', leases, req, chosen .. '|' .. unc .. '|0|' .. ARGV[4])
 redis.call('SET', ARGV[18 + 2 * nc], 1, 'PX', tonumber(ARGV[19 + 2 * nc]))
