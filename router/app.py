@@ -11,7 +11,6 @@ import logging
 import time
 from typing import Any
 
-import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray import serve

@@ -26,7 +26,7 @@ import uuid
 from typing import Any, AsyncIterator, Optional, Union
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -315,6 +315,9 @@ class _Dispatch:
         self.scanner = UsageScanner(req.stream)
 
     async def start(self) -> ReplicaHead:
+        # A new attempt is open: the router keeps its reservation (the previous attempt's
+        # close, awaited before this one starts, set the flag and released its own).
+        self.req.closed = False
         self.gen = self.core.engine.options(stream=True).generate.remote(self.req)
         try:
             self.head = await self.core._first_item(self.gen)

@@ -56,6 +56,7 @@ class RedisLoadTracker(LoadTracker):
         self._heartbeat_task: asyncio.Task | None = None
         self.keys = [f"{namespace}:load", f"{namespace}:leases"]
         self._heartbeat_key = f"{namespace}:router:{self.router_id}"
+        self._unreleased: set[str] = set()  # releases Redis has not taken yet
 
     def _s(self, client):
         s = self._scripts.get(id(client))
@@ -78,7 +79,10 @@ class RedisLoadTracker(LoadTracker):
         while True:
             try:
                 await self.conn.call(lambda c: c.set(self._heartbeat_key, 1,
-                                                     px=int(self.heartbeat_ttl_s * 1000)))
+                                                     px=int(self.heartbeat_ttl_s * 1000)),
+                                     maintenance=True)
+                if self._unreleased:
+                    await self.retry_releases()
                 swept = await self.sweep()
                 if swept:
                     logger.warning("released %d leases of routers that stopped", swept)
@@ -90,7 +94,7 @@ class RedisLoadTracker(LoadTracker):
         """Release the leases of routers whose heartbeat expired; returns how many."""
         async def run(c):
             return await self._s(c)[0](keys=self.keys, args=["sweep", f"{self.ns}:router:"])
-        return int(await self.conn.call(run))
+        return int(await self.conn.call(run, maintenance=True))
 
     # --- LoadTracker -------------------------------------------------------------------
     async def loads(self, replicas: Sequence[str]) -> dict[str, ReplicaLoad]:
@@ -140,12 +144,27 @@ class RedisLoadTracker(LoadTracker):
             pass
 
     async def release(self, request_id: str) -> None:
+        """Release the request's lease. It must not be lost: a lease of a live router is
+        never swept, so a release that fails (Redis slow or down) is kept and retried with
+        every heartbeat until Redis takes it (FAULTS.md 5.1)."""
         self.local.release_now(request_id)
         try:
-            await self.conn.call(lambda c: self._s(c)[0](keys=self.keys,
-                                                         args=["release", request_id]))
+            await self._release(request_id)
         except IndexUnavailable:
-            pass
+            self._unreleased.add(request_id)
+            self.ensure_heartbeat()
+
+    async def _release(self, request_id: str) -> None:
+        await self.conn.call(lambda c: self._s(c)[0](keys=self.keys,
+                                                     args=["release", request_id]),
+                             maintenance=True)
+        self._unreleased.discard(request_id)
+
+    async def retry_releases(self) -> int:
+        """Retry the releases that failed; returns how many are still pending."""
+        for request_id in list(self._unreleased):
+            await self._release(request_id)
+        return len(self._unreleased)
 
     async def remove_replica(self, replica: str) -> None:
         await self.local.remove_replica(replica)

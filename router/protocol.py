@@ -30,9 +30,10 @@ class RoutedRequest:
         predicted_cached_tokens: set by the router: per candidate replica, the cached tokens
             the index predicts (the replica that serves the request reports its own).
         routing_reason: set by the router: ``cache``, ``load`` or ``fallback``.
-        closed: set by the ingress when the request is over (answered, failed, client gone)
-            before it releases the load reservation; the router releases a reservation it
-            makes after that moment itself, so none can outlive the request.
+        closed: set by the ingress when an attempt is over (answered, failed, client gone)
+            before it releases the load reservation, and cleared when a retry starts; the
+            router releases a reservation it makes (or moves) after that moment itself, so
+            none can outlive the request.
         policy: a policy name that overrides the configured one for this request (only
             when ``Settings.allow_policy_override``; benchmarks compare policies this way
             on the same replicas).

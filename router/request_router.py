@@ -142,9 +142,16 @@ class PrefixCacheRequestRouter(RequestRouter):
                         if r.replica_id.unique_id == actual), None)
         info = ReplicaInfo(actual, running.replica_metadata if running else {},
                            running.routing_stats if running else {})
-        asyncio.get_running_loop().create_task(self._core.moved(
-            req.request_id, info, req.prompt_tokens, req.block_hashes,
-            req.predicted_cached_tokens.get(actual, 0)))
+        asyncio.get_running_loop().create_task(self._follow(req, info))
+
+    async def _follow(self, req: RoutedRequest, info: ReplicaInfo) -> None:
+        """Move the reservation to where Serve sent the request; released again if the
+        ingress finished with the request meanwhile (its release may have come first)."""
+        core = self._core
+        await core.moved(req.request_id, info, req.prompt_tokens, req.block_hashes,
+                         req.predicted_cached_tokens.get(info.replica_id, 0))
+        if req.closed:
+            await core.load.release(req.request_id)
 
     def update_replicas(self, replicas: List[RunningReplica]) -> None:
         super().update_replicas(replicas)

@@ -10,12 +10,14 @@ from __future__ import annotations
 import os
 import random
 import socket
+import subprocess
 import time
 import uuid
 from pathlib import Path
 
 import httpx
 import pytest
+import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "models" / "tiny-qwen2"
@@ -188,6 +190,47 @@ def _main_service_leaves_no_load(request):
     """After each test on the main service: no lease and no count left in the shared Redis."""
     yield
     if "service" in request.fixturenames:
-        import redis
         svc = request.getfixturevalue("service")
         assert_no_load_left(redis.Redis.from_url(REDIS_URL, socket_timeout=5), svc.namespace)
+
+
+class OwnRedis:
+    """A redis-server on a free port, started and stopped by the tests (never the shared one)."""
+
+    def __init__(self, tmpdir):
+        self.port = free_port()
+        self.dir = tmpdir
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc = None
+        self.start()
+
+    def start(self):
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(self.dir)], stdout=subprocess.DEVNULL)
+        wait_until(lambda: self._ping(), 10, 0.1, "redis-server to start")
+
+    def _ping(self):
+        try:
+            return redis.Redis(port=self.port, socket_timeout=0.5).ping()
+        except redis.RedisError:
+            return False
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(10)
+
+    def restart(self):
+        """An empty server on the same port (it keeps nothing on disk)."""
+        self.start()
+
+    def client(self):
+        return redis.Redis(port=self.port, socket_timeout=2)
+
+
+@pytest.fixture
+def own_redis(tmp_path):
+    """A Redis server of this test's own, on a free port (never the shared one)."""
+    r = OwnRedis(tmp_path)
+    yield r
+    r.stop()

@@ -27,7 +27,7 @@ async def index(request):
     if request.param == "fakeredis":
         import fakeredis
         fake = fakeredis.FakeAsyncRedis()
-        idx.conn.client = lambda: fake  # the fake server stands in for the URL
+        idx.conn.client = lambda *timeout: fake  # the fake server stands in for the URL
     yield idx
     await idx.flush()
     await idx.close()

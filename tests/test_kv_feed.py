@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import uuid
 
-import pytest
-
 from replicas.sim_server import EventPublisher
 from router.index.base import KVEvent
 from router.index.memory import MemoryPrefixIndex
@@ -140,37 +138,6 @@ def test_feed_health_reports_silence_only_after_requests_that_stored_blocks():
     assert h.live(300.0)
 
 
-@pytest.fixture
-def own_redis(tmp_path):
-    """A Redis server of this test's own, on a free port (never the shared one)."""
-    import socket
-    import subprocess
-    import time
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-
-    def start():
-        return subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
-                                 "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
-                                stdout=subprocess.DEVNULL)
-
-    class Server:
-        url = f"redis://127.0.0.1:{port}/0"
-        proc = start()
-
-        def stop(self):
-            self.proc.terminate()
-            self.proc.wait(5)
-
-        def restart(self):
-            self.proc = start()
-            time.sleep(0.3)
-
-    srv = Server()
-    time.sleep(0.3)
-    yield srv
-    srv.stop()
 
 
 async def test_index_is_rebuilt_from_the_replicas_record_after_redis_returns(tmp_path,

@@ -14,7 +14,6 @@ from router.clock import ManualClock
 from router.config import Settings
 from router.index.base import KVEvent
 from router.index.redis_index import RedisConnections, RedisPrefixIndex
-from router.load import ReplicaLoad
 from router.load_redis import RedisLoadTracker
 from router.policies import Candidate, PrefixAware, RouteRequest
 from router.routing import ReplicaInfo, RoutingCore
@@ -31,7 +30,7 @@ async def redis_pair(request):
     if request.param == "fakeredis":
         import fakeredis
         fake = fakeredis.FakeAsyncRedis()
-        conn.client = lambda: fake
+        conn.client = lambda *timeout: fake
     clock = ManualClock(time.time())
     index = RedisPrefixIndex(REDIS_URL, ns, clock=clock, connections=conn)
     load = RedisLoadTracker(conn, ns, clock=clock)
@@ -265,3 +264,33 @@ async def test_a_lease_this_code_did_not_write_is_dropped_without_touching_count
     await load.sweep()
     counts, leases = await _accounting(load)
     assert leases == {"ok": leases["ok"]} and counts == {"a:n": 1, "a:p": 10}
+
+
+async def test_a_release_that_fails_is_retried_until_redis_takes_it(own_redis):
+    """FAULTS.md 5.1 under load: a release that Redis does not take in time (here: writes
+    paused on a server of the test's own for longer than the bound) must not leave the
+    lease behind, since a live router's leases are never swept; it is retried with the
+    heartbeat. A release slower than a routing call but within the longer bound of
+    releases is not lost at all."""
+    import redis as sync_redis
+    conn = RedisConnections(own_redis.url, 0.05)  # the routing bound of the fault tests
+    load = RedisLoadTracker(conn, "t", heartbeat_ttl_s=0.6)  # retries every 0.2 s
+    admin = sync_redis.Redis.from_url(own_redis.url)
+    await load.reserve("slow", "a", 100)
+    await load.reserve("lost", "a", 100)
+    admin.execute_command("CLIENT", "PAUSE", 300, "WRITE")
+    await load.release("slow")  # 300 ms: past a routing call's bound, within a release's
+    assert load._unreleased == set()
+    admin.execute_command("CLIENT", "PAUSE", int(conn.MAINTENANCE_TIMEOUT_S * 1000) + 1000,
+                          "WRITE")
+    await load.release("lost")
+    assert load._unreleased == {"lost"}  # Redis did not take it: kept for the heartbeat
+    assert admin.hget("t:leases", "lost") is not None
+    for _ in range(100):
+        if not load._unreleased:
+            break
+        await asyncio.sleep(0.1)
+    assert load._unreleased == set() and admin.hgetall("t:leases") == {}
+    assert int(admin.hget("t:load", "a:n")) == 0 and int(admin.hget("t:load", "a:p")) == 0
+    await load.close()
+    await conn.close()

@@ -54,34 +54,42 @@ class RedisConnections:
         timeout_s: socket connect and read timeout; also the bound of each call.
     """
 
+    # bound of the calls that must not be lost (lease releases): longer than a routing call's
+    MAINTENANCE_TIMEOUT_S = 2.0
+
     def __init__(self, url: str, timeout_s: float):
         self.url = url
         self.timeout_s = timeout_s
-        self._clients: dict[int, aioredis.Redis] = {}
+        self._clients: dict[tuple[int, float], aioredis.Redis] = {}
 
-    def client(self) -> aioredis.Redis:
-        loop = asyncio.get_running_loop()
-        c = self._clients.get(id(loop))
+    def client(self, timeout_s: float | None = None) -> aioredis.Redis:
+        """This event loop's client whose socket timeout is ``timeout_s`` (default: the
+        routing bound)."""
+        t = timeout_s or self.timeout_s
+        key = (id(asyncio.get_running_loop()), t)
+        c = self._clients.get(key)
         if c is None:
             c = aioredis.Redis.from_url(
-                self.url, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s,
+                self.url, socket_timeout=t, socket_connect_timeout=t,
                 retry_on_timeout=False, health_check_interval=0, decode_responses=False)
-            self._clients[id(loop)] = c
+            self._clients[key] = c
         return c
 
-    async def call(self, coro_fn, *args: Any) -> Any:
-        """Run ``coro_fn(client, *args)`` bounded by the timeout; errors become IndexUnavailable."""
+    async def call(self, coro_fn, *args: Any, maintenance: bool = False) -> Any:
+        """Run ``coro_fn(client, *args)`` bounded by the routing timeout, or by
+        ``MAINTENANCE_TIMEOUT_S`` for ``maintenance`` calls (those that must not be lost
+        because a loaded machine answered late); errors become IndexUnavailable."""
+        t = max(self.timeout_s, self.MAINTENANCE_TIMEOUT_S) if maintenance else self.timeout_s
         try:
-            async with asyncio.timeout(self.timeout_s):  # no extra task, unlike wait_for
-                return await coro_fn(self.client(), *args)
+            async with asyncio.timeout(t):  # no extra task, unlike wait_for
+                return await coro_fn(self.client(t), *args)
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
             raise IndexUnavailable(f"redis at {self.url}: {type(exc).__name__}: {exc}") from exc
 
     async def close(self) -> None:
-        loop = asyncio.get_running_loop()
-        c = self._clients.pop(id(loop), None)
-        if c is not None:
-            await c.aclose()
+        loop = id(asyncio.get_running_loop())
+        for key in [k for k in self._clients if k[0] == loop]:
+            await self._clients.pop(key).aclose()
 
 
 class RedisPrefixIndex(PrefixIndex):

@@ -8,47 +8,15 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import threading
 import time
 
 import httpx
 import pytest
-import redis
 
-from tests.conftest import assert_no_load_left, free_port, make_text, run_app, wait_until
+from tests.conftest import OwnRedis, assert_no_load_left, make_text, run_app, wait_until
 
 pytestmark = pytest.mark.integration
-
-
-class OwnRedis:
-    """A redis-server on a free port, started and stopped by the tests (never the shared one)."""
-
-    def __init__(self, tmpdir):
-        self.port = free_port()
-        self.dir = tmpdir
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = None
-        self.start()
-
-    def start(self):
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "no", "--dir", str(self.dir)], stdout=subprocess.DEVNULL)
-        wait_until(lambda: self._ping(), 10, 0.1, "redis-server to start")
-
-    def _ping(self):
-        try:
-            return redis.Redis(port=self.port, socket_timeout=0.5).ping()
-        except redis.RedisError:
-            return False
-
-    def stop(self):
-        self.proc.terminate()
-        self.proc.wait(10)
-
-    def client(self):
-        return redis.Redis(port=self.port, socket_timeout=2)
 
 
 @pytest.fixture(scope="module")
@@ -193,14 +161,21 @@ def test_stream_broken_after_first_bytes_is_never_retried(faults_app, tokenizer)
 
 
 def test_failure_before_the_first_byte_is_retried_once_on_the_other_replica(faults_app,
+                                                                              own_redis,
                                                                               tokenizer):
+    """FAULTS.md 6.1: one retry on the other replica, and the retry carries its load (the
+    first attempt's release must not take the second attempt's reservation with it)."""
     system = make_text(400, "pre", tokenizer)
     a, a_url = warm(faults_app, system)
+    b_url = next(r["metadata"]["engine_url"] for r in replicas(faults_app)
+                 if r["replica_id"] != a)
     set_faults(a_url, error_status=503, error_count=1)
+    set_faults(b_url, extra_ttft_s=2.0)
     with faults_app.client.stream("POST", "/v1/chat/completions",
                                   json=chat_body(system, "retry me", 6, stream=True)) as r:
         assert r.status_code == 200
         assert r.headers["x-routed-replica"] != a
+        assert _load_sum(own_redis, "n") == 1  # in prefill on B, counted there
         text = r.read().decode()
     assert text.count('"role"') == 1 and text.endswith("data: [DONE]\n\n")
 
