@@ -34,6 +34,7 @@ from router import metrics, state
 from router.config import Settings
 from router.errors import OpenAIError, bad_request, no_replicas
 from router.hashing import BlockHasher
+from router.index.base import IndexUnavailable
 from router.policies import LIVE_POLICIES
 from router.prompts import CHAT_PATH, COMPLETIONS_PATH, PromptInfo, PromptRenderer
 from router.protocol import ReplicaHead, RoutedRequest, route_label
@@ -158,6 +159,23 @@ class IngressCore:
         self.health = state.replica_health()
         self.policy_name = settings.policy
         self.inflight: dict[str, int] = {}  # this process's own dispatches, per replica
+        self._index = None  # made on first use, on the ingress's loop (a Redis client's own)
+
+    async def forget_predictions(self, req: RoutedRequest, replica: str) -> None:
+        """The engine refused ``req`` (an error status): drop the predicted entries that its
+        routing wrote on ``replica``, the blocks past the prefix the index already matched
+        there, or they would draw the prefix to an engine that never computed it (for
+        ``predicted_ttl_s`` when the engine publishes no KV events). Index errors are
+        counted, never raised."""
+        start = req.predicted_cached_tokens.get(replica, 0) // self.settings.block_size
+        if start >= len(req.block_hashes):
+            return
+        if self._index is None:
+            self._index = state.make_index(self.settings)
+        try:
+            await self._index.forget_predicted(replica, req.block_hashes[start:])
+        except IndexUnavailable:
+            metrics.inc("index_errors", tags={"op": "forget_predicted"})
 
     def _count_inflight(self, replica: str, delta: int) -> None:
         n = self.inflight.get(replica, 0) + delta
@@ -365,6 +383,8 @@ class _Dispatch:
 
     async def _close(self) -> None:
         await self.core.load.release(self.req.request_id)
+        if self.head is not None and self.head.status >= 400 and self.replica:
+            await self.core.forget_predictions(self.req, self.replica)
         if self.replica:
             metrics.inc("completed", tags={"replica": self.replica})
             self.core._count_inflight(self.replica, -1)

@@ -146,6 +146,20 @@ async def test_remove_replica_purges_exact_and_predicted_entries(index):
     assert stats.entries == 3
 
 
+async def test_forget_predicted_drops_only_that_replicas_predictions(index):
+    """A request the engine refused: its predicted blocks go, exact entries and other
+    replicas' predictions of the same blocks stay."""
+    await index.apply_events("A", [stored(1, 2)])
+    await index.record_predicted("A", [1, 2, 3, 4], ttl_s=60)
+    await index.record_predicted("B", [1, 2, 3, 4], ttl_s=60)
+    await index.forget_predicted("A", [2, 3, 4])
+    assert await index.lookup([1, 2, 3, 4], ["A", "B"]) == {"A": 2, "B": 4}
+    assert (await index.stats()).entries == 2 + 1 + 4
+    await index.forget_predicted("A", [3, 4])  # idempotent
+    await index.record_predicted("A", [3], ttl_s=60)  # and predictable again
+    assert await index.lookup([1, 2, 3], ["A"]) == {"A": 3}
+
+
 async def test_stats_count_entries(index):
     await index.apply_events("A", [stored(1, 2)])
     await index.record_predicted("B", [1], ttl_s=60)

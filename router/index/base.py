@@ -100,6 +100,11 @@ class PrefixIndex(ABC):
         """
 
     @abstractmethod
+    async def forget_predicted(self, replica: str, block_hashes: Sequence[BlockHash]) -> None:
+        """Drop ``replica``'s predicted entries of ``block_hashes`` (the engine refused the
+        request that predicted them, so it will not hold them); exact entries stay."""
+
+    @abstractmethod
     async def apply_events(self, replica: str, events: Sequence[KVEvent]) -> None:
         """Apply one engine's KV events, in order, to its exact entries (``AllBlocksCleared``
         also drops the replica's predicted entries: they predate the clear)."""

@@ -96,6 +96,15 @@ class MemoryPrefixIndex(PrefixIndex):
             while self._n_predicted > self.max_predicted_entries and self._expiry_heap:
                 self._pop_heap_locked(force=True, now=now)
 
+    async def forget_predicted(self, replica: str, block_hashes: Sequence[BlockHash]) -> None:
+        with self._lock:
+            for h in block_hashes:
+                owners = self._predicted.get(h)
+                if owners is not None and owners.pop(replica, None) is not None:
+                    self._n_predicted -= 1
+                    if not owners:
+                        del self._predicted[h]
+
     def _pop_heap_locked(self, force: bool, now: float) -> None:
         expiry, h, r = heapq.heappop(self._expiry_heap)
         owners = self._predicted.get(h)

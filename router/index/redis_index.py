@@ -158,6 +158,19 @@ class RedisPrefixIndex(PrefixIndex):
 
         await self.conn.call(run)
 
+    async def forget_predicted(self, replica: str, block_hashes: Sequence[BlockHash]) -> None:
+        if not block_hashes:
+            return
+        key = self.replica_keys(replica)[1]
+
+        async def run(client):
+            pipe = client.pipeline(transaction=False)
+            for i in range(0, len(block_hashes), 1024):
+                pipe.hdel(key, *block_hashes[i:i + 1024])
+            await pipe.execute()
+
+        await self.conn.call(run)
+
     async def apply_events(self, replica: str, events: Sequence[KVEvent]) -> None:
         ops: list[Any] = []
         for ev in events:

@@ -180,6 +180,22 @@ def test_failure_before_the_first_byte_is_retried_once_on_the_other_replica(faul
     assert text.count('"role"') == 1 and text.endswith("data: [DONE]\n\n")
 
 
+def test_a_refused_request_leaves_no_predictions(faults_app, tokenizer):
+    """A request the engine refuses (a 4xx passed to the client) must not leave predicted
+    entries: the engine never computed its blocks, and they would draw that prefix to it
+    (for minutes on a replica without KV events)."""
+    system = make_text(800, "refused", tokenizer)
+    for r in replicas(faults_app):
+        set_faults(r["metadata"]["engine_url"], error_status=400, error_count=1)
+    r = faults_app.client.post("/v1/chat/completions", json=chat_body(system, "first"))
+    assert r.status_code == 400, r.text
+    for rep in replicas(faults_app):  # the other engine's one-shot fault is still armed
+        set_faults(rep["metadata"]["engine_url"], error_status=0, error_count=-1)
+    r = faults_app.client.post("/v1/chat/completions", json=chat_body(system, "again"))
+    assert r.status_code == 200, r.text
+    assert int(r.headers["x-predicted-cached-tokens"]) == 0, dict(r.headers)
+
+
 def _load_sum(own_redis, field: str) -> int:
     h = own_redis.client().hgetall(f"{faults_ns()}:load")
     return sum(int(v) for k, v in h.items() if k.decode().endswith(":" + field))
