@@ -157,7 +157,6 @@ class IngressCore:
         self.hasher = BlockHasher(settings.hash_settings)
         self.load = state.make_load_tracker(settings)
         self.health = state.replica_health()
-        self.policy_name = settings.policy
         self.inflight: dict[str, int] = {}  # this process's own dispatches, per replica
         self._index = None  # made on first use, on the ingress's loop (a Redis client's own)
 

@@ -184,10 +184,10 @@ class SegmentEncoder:
         sample = ("The quick brown fox's 12 jumps (over 3.5 lazy dogs) — naïve café, "
                   "日本語 テキスト, emoji 🙂 a\u0301b; it'LL be   fine.\n\nNew para: x² y, "
                   "A_b c-d 'quoted' words\tand\r\nlines ") * 40
-        return self._chunks(sample, 37) is not None and [
-            i for c in self._backend.encode_batch(self._chunks(sample, 37),
-                                                  add_special_tokens=False) for i in c.ids
-        ] == self._backend.encode(sample, add_special_tokens=False).ids
+        chunks = self._chunks(sample, 37)
+        return chunks is not None and [
+            i for c in self._backend.encode_batch(chunks, add_special_tokens=False)
+            for i in c.ids] == self._backend.encode(sample, add_special_tokens=False).ids
 
     @staticmethod
     def _chunks(text: str, size: int) -> list[str] | None:
