@@ -241,6 +241,7 @@ class EngineReplica:
                          self.replica_id, self.engine.proc.returncode if self.engine.proc
                          else None, self.engine.log_tail(2000))
             self.engine.reap()  # its engine core would hold its memory on
+            self.feed.engine_exited()
             if self.restarts >= self.settings.engine_restarts:
                 self.failed = True
                 continue

@@ -396,6 +396,10 @@ class _Dispatch:
                                                     tags=tags)
             metrics.inc("predicted_cached_tokens", self.head.predicted_cached_tokens,
                                                        tags=tags)
+            error = self.head.predicted_cached_tokens - int(details.get("cached_tokens") or 0)
+            metrics.get("prediction_error").observe(
+                abs(error), tags={"direction": "exact" if error == 0 else
+                                  "over" if error > 0 else "under"})
 
 
 class _GuardedStreamingResponse(StreamingResponse):

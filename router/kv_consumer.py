@@ -140,12 +140,21 @@ class EventFeed:
                 logger.warning("KV events of replica %s: %s; clearing its entries",
                                self.replica_id, item)
                 events = [KVEvent("cleared")]
-            self.record.apply_events_now(self.replica_id, events)
-            self.pending.extend(events)
-            if len(self.pending) >= self.max_pending_events:
-                self._wake.set()
-            elif self.pending:
-                self._wake.set()
+            self._enqueue(events)
+
+    def _enqueue(self, events: list[KVEvent]) -> None:
+        self.record.apply_events_now(self.replica_id, events)
+        self.pending.extend(events)
+        if self.pending:
+            self._wake.set()
+
+    def engine_exited(self) -> None:
+        """The engine died: it holds nothing any more. Its exact and predicted entries are
+        cleared now, not when a restarted engine's first event arrives (that can be long
+        after, and routing would meanwhile predict hits on an empty cache)."""
+        logger.warning("engine of replica %s exited; clearing its index entries",
+                       self.replica_id)
+        self._enqueue([KVEvent("cleared")])
 
     async def _writer(self) -> None:
         while True:
@@ -154,7 +163,8 @@ class EventFeed:
             except asyncio.TimeoutError:
                 pass
             self._wake.clear()
-            await asyncio.sleep(self.flush_interval_s)  # let a burst accumulate
+            if len(self.pending) < self.max_pending_events:
+                await asyncio.sleep(self.flush_interval_s)  # let a burst accumulate
             await self.flush()
             if self.index is not None and (self.dirty or await self._entries_vanished()):
                 await self.resync()

@@ -22,6 +22,8 @@ _metrics: dict[str, Any] = {}
 
 OVERHEAD_BOUNDARIES_S = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05,
                          0.1, 0.25, 0.5, 1.0]
+PREDICTION_ERROR_BOUNDARIES_TOKENS = [1, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
+                                      16384, 32768, 131072]
 TTFT_BOUNDARIES_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
 
@@ -98,6 +100,12 @@ def _make() -> dict[str, Any]:
         "ttft": Histogram("router_ttft_seconds",
                           "Arrival at the ingress to the first body byte from the replica.",
                           boundaries=TTFT_BOUNDARIES_S, tag_keys=("route",)),
+        "prediction_error": Histogram(
+            "router_cached_tokens_prediction_error",
+            "Per answered request, |predicted - engine-reported| cached tokens on the replica "
+            "that served it; direction: exact, over (predicted more than the engine had) or "
+            "under.",
+            boundaries=PREDICTION_ERROR_BOUNDARIES_TOKENS, tag_keys=("direction",)),
     }
 
 

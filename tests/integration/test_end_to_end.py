@@ -128,7 +128,11 @@ def test_router_hit_counters_match_the_engines_own(service, tokenizer):
         text = service.client.get("/metrics").text
         get = lambda n: sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()  # noqa
                             if x.startswith(n + "{"))
-        return get("router_engine_cached_tokens_total"), get("router_prompt_tokens_total")
+        return (get("router_engine_cached_tokens_total"), get("router_prompt_tokens_total"),
+                get("router_cached_tokens_prediction_error_count"),
+                sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
+                    if x.startswith("router_cached_tokens_prediction_error_count{")
+                    and 'direction="exact"' in x))
 
     def engine_totals():
         return (sum(_engine_metric(u, "vllm:prefix_cache_hits_total") for u in urls),
@@ -154,3 +158,7 @@ def test_router_hit_counters_match_the_engines_own(service, tokenizer):
         return (r1[0] - r0[0]) / (r1[1] - r0[1])
     ratio = wait_until(router_ratio, 60, 2.0, "the router's exported counters")
     assert 0.8 <= ratio <= 0.9 and abs(ratio - engine_ratio) < 0.02, (ratio, engine_ratio)
+    # per request: the index predicted exactly what each engine reported as cached
+    r1 = wait_until(lambda: (lambda t: t if t[2] - r0[2] >= 10 else None)(totals()), 60, 2.0,
+                    "the per-request prediction error histogram")
+    assert (r1[2] - r0[2], r1[3] - r0[3]) == (10, 10), (r0, r1)

@@ -395,6 +395,28 @@ def test_engine_killed_mid_run_fails_no_request(faults_app, tokenizer):
     assert 8 <= cold.count(a) <= 12, cold
 
 
+def test_a_dead_engines_entries_are_cleared_at_once(faults_app, own_redis, tokenizer):
+    """FAULTS.md 2.3: when a replica's engine dies, its exact and predicted entries leave the
+    index when the replica sees the exit, not when the restarted engine's first KV event
+    comes (with no traffic to it, that is never)."""
+    system = make_text(800, "dead-entries", tokenizer)
+    a, _ = warm(faults_app, system)
+    c = own_redis.client()
+    keys = [f"{faults_ns()}:x:{a}", f"{faults_ns()}:p:{a}"]
+    assert c.hlen(keys[0]) > 0
+    pid = next(r["routing_stats"]["engine_pid"] for r in replicas(faults_app)
+               if r["replica_id"] == a)
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: c.hlen(keys[0]) == 0 and c.hlen(keys[1]) == 0, 10, 0.2,
+               "the dead engine's entries to leave the index")
+
+    def restarted():  # a new engine process, alive (routing stats lag: not the old pid)
+        return any(r["replica_id"] == a and r["routing_stats"].get("engine_alive")
+                   and r["routing_stats"].get("engine_pid") not in (None, pid)
+                   for r in replicas(faults_app))
+    wait_until(restarted, 120, 0.5, "the engine restarted by its replica")
+
+
 def test_replica_without_kv_events_is_reported_and_still_served(faults_app, tokenizer):
     """FAULTS.md 8.2: B publishes no events; within the grace period it is reported, and its
     requests still succeed on predicted entries."""
