@@ -282,12 +282,33 @@ class PromptRenderer:
         self._vllm_request = _vllm_chat_request_model()
         self._lock = threading.Lock()  # HF fast tokenizers are not re-entrant across threads
         self.segments = SegmentEncoder(self.tokenizer)
+        self._special_affixes = self._find_special_affixes() if self.segments.usable else None
         if not getattr(self.tokenizer, "chat_template", None):
             logger.warning("tokenizer at %s has no chat template; chat requests will be "
                            "routed by load", tokenizer_path)
 
+    def _find_special_affixes(self) -> tuple[list[int], list[int]] | None:
+        """The ids the post-processor puts before and after a text when a completion asks
+        for special tokens (e.g. a BOS), or None if they cannot be told apart."""
+        probe = "Special tokens probe."
+        plain = self.tokenizer.encode(probe, add_special_tokens=False)
+        full = self.tokenizer.encode(probe, add_special_tokens=True)
+        for i in range(len(full) - len(plain) + 1):
+            if full[i:i + len(plain)] == plain:
+                return list(full[:i]), list(full[i + len(plain):])
+        return None
+
     def render(self, path: str, body: dict[str, Any]) -> PromptInfo:
-        """Token ids of the request at ``path`` with JSON ``body``; never raises."""
+        """Token ids of the request at ``path`` with JSON ``body``; never raises.
+
+        Not cacheable (routed by load) when the engine would not see the prompt the router
+        renders: ``truncate_prompt_tokens`` (the engine drops tokens, by rules that vary
+        with its version and tokenizer) or a chat template sent with the request.
+        """
+        if body.get("truncate_prompt_tokens") is not None:
+            return PromptInfo(cacheable=False, reason="the engine truncates the prompt")
+        if path == CHAT_PATH and body.get("chat_template") is not None:
+            return PromptInfo(cacheable=False, reason="request carries its own chat template")
         try:
             info = self._render_chat(body) if path == CHAT_PATH else self._render_completion(body)
         except Exception as exc:  # the engine gives the authoritative 4xx for bad input
@@ -354,9 +375,16 @@ class PromptRenderer:
         if isinstance(prompt, str):
             if not prompt:
                 return PromptInfo(cacheable=False, reason="empty prompt")
-            add_special = body.get("add_special_tokens", True)
-            with self._lock:
-                ids = self.tokenizer.encode(prompt, add_special_tokens=bool(add_special))
+            add_special = bool(body.get("add_special_tokens", True))
+            if self._special_affixes is not None:
+                # piecewise and outside the lock, like chats: a huge prompt holds up no one
+                ids = self.segments.encode(prompt)
+                if add_special:
+                    before, after = self._special_affixes
+                    ids = before + list(ids) + after
+            else:
+                with self._lock:
+                    ids = self.tokenizer.encode(prompt, add_special_tokens=add_special)
             return PromptInfo(token_ids=list(map(int, ids)))
         if isinstance(prompt, list) and prompt and all(
                 isinstance(t, int) and not isinstance(t, bool) for t in prompt):

@@ -57,3 +57,69 @@ def test_unknown_paths_and_methods_get_the_openai_error_shape():
     for r, status in ((client.get("/v1/nope"), 404), (client.post("/v1/models"), 405)):
         assert r.status_code == status
         assert r.json()["error"]["code"] == status and r.json()["error"]["message"]
+
+
+async def test_a_huge_completion_prompt_does_not_stall_the_event_loop(model_dir):
+    """Found by a break test: a 3.8 MB completion prompt (under the tokenize limit) was
+    encoded with the tokenizer's ``encode`` under the renderer's lock, and every other
+    request (rendered on the event loop, waiting for that lock) waited about 4 s. It is now
+    encoded like chat pieces, outside the lock: small requests keep being prepared while it
+    runs. Ratio in one run, not a time bound."""
+    import asyncio
+    import json
+    import time
+    ingress = IngressCore(Settings(model=str(model_dir)), engine_handle=None)
+    raw = json.dumps({"model": "m", "prompt": "hello world, quick brown fox " * 40_000}).encode()
+    gaps: list[float] = []
+    done = asyncio.Event()
+
+    small = [json.dumps({"model": "m", "prompt": f"small request {i} " * 20}).encode()
+             for i in range(2)]
+    chat = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi " * 50}]})
+
+    async def ticker():
+        last = time.perf_counter()
+        while not done.is_set():
+            await asyncio.sleep(0.005)
+            await ingress.prepare(COMPLETIONS_PATH, small[len(gaps) % 2])
+            await ingress.prepare("/v1/chat/completions", chat.encode())
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    tick = asyncio.ensure_future(ticker())
+    await asyncio.sleep(0.02)
+    t0 = time.perf_counter()
+    req = await ingress.prepare(COMPLETIONS_PATH, raw)
+    total = time.perf_counter() - t0
+    done.set()
+    await tick
+    assert len(req.block_hashes) > 1000
+    assert max(gaps) < 0.5 * total, (max(gaps), total)
+
+
+def test_completion_ids_equal_the_tokenizers_with_and_without_special_tokens(model_dir):
+    from router.prompts import PromptRenderer
+    renderer = PromptRenderer(str(model_dir))
+    tok = renderer.tokenizer
+    texts = ["hello", "word " * 3000, "a<|im_start|>b<|endoftext|> c", " lead and trail "]
+    for text in texts:
+        for special in (True, False):
+            info = renderer.render(COMPLETIONS_PATH, {"prompt": text,
+                                                      "add_special_tokens": special})
+            assert info.token_ids == tok.encode(text, add_special_tokens=special)
+
+
+def test_prompts_the_engine_changes_are_routed_by_load(model_dir):
+    """Found by a break test: ``truncate_prompt_tokens`` requests were hashed on the whole
+    prompt (832 cached tokens predicted where the engine kept 300); a request's own chat
+    template is not the one the router renders with."""
+    from router.prompts import CHAT_PATH, PromptRenderer
+    renderer = PromptRenderer(str(model_dir))
+    msgs = [{"role": "user", "content": "word " * 500}]
+    assert renderer.render(CHAT_PATH, {"messages": msgs}).cacheable
+    for body in ({"messages": msgs, "truncate_prompt_tokens": 300},
+                 {"messages": msgs, "chat_template": "{{ messages[0]['content'] }}"}):
+        assert not renderer.render(CHAT_PATH, body).cacheable
+    assert not renderer.render(COMPLETIONS_PATH, {"prompt": "word " * 500,
+                                                  "truncate_prompt_tokens": 300}).cacheable
