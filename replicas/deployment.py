@@ -121,12 +121,20 @@ class EngineReplica:
         """Yield a ``ReplicaHead``, then the engine's response body as raw byte chunks."""
         started = time.time()
         bs = self.settings.block_size
+        # The engine stores a block (and publishes it) only for a request it accepted and
+        # prefilled: a 200 with a body byte, with a full block not predicted cached there.
+        # A refused or cancelled request says nothing about the event feed.
         expects = len(req.block_hashes) > req.predicted_cached_tokens.get(self.replica_id, 0) // bs
+        accepted = prefilled = False
         try:
             async for item in self._generate(req):
+                if isinstance(item, ReplicaHead):
+                    accepted = item.status == 200
+                elif accepted:
+                    prefilled = True
                 yield item
         finally:
-            self.feed.health.on_request_done(expects, started, time.time())
+            self.feed.health.on_request_done(expects and prefilled, started, time.time())
 
     async def _generate(self, req: RoutedRequest) -> AsyncIterator[Any]:
         predicted = req.predicted_cached_tokens.get(self.replica_id, 0)

@@ -417,6 +417,39 @@ def test_a_dead_engines_entries_are_cleared_at_once(faults_app, own_redis, token
     wait_until(restarted, 120, 0.5, "the engine restarted by its replica")
 
 
+def test_refused_and_cancelled_requests_do_not_mark_events_missing(faults_app, tokenizer):
+    """FAULTS.md 8.2, the other way round: a request the engine refuses, or one cancelled
+    before its prefill ends, stores no block, so no KV event is owed for it; the replica
+    must stay reported as publishing events (a false report gives its predicted entries
+    the long TTL and raises a false alert)."""
+    for r in replicas(faults_app):
+        set_faults(r["metadata"]["engine_url"], error_status=400, error_count=-1)
+    for i in range(4):
+        r = faults_app.client.post("/v1/chat/completions",
+                                   json=chat_body(make_text(300, f"refuse-{i}"), "x"))
+        assert r.status_code == 400
+    for r in replicas(faults_app):  # engines that never answer: cancelled before prefill
+        set_faults(r["metadata"]["engine_url"], error_status=0, hang=True)
+
+    async def cancelled(i: int):
+        async with httpx.AsyncClient(base_url=faults_app.url, timeout=30) as c:
+            try:
+                await asyncio.wait_for(c.post("/v1/chat/completions", json=chat_body(
+                    make_text(300, f"cancel-{i}"), "x")), 0.5)
+            except asyncio.TimeoutError:
+                pass
+
+    async def all_():
+        await asyncio.gather(*(cancelled(i) for i in range(4)))
+    asyncio.run(all_())
+    for r in replicas(faults_app):
+        set_faults(r["metadata"]["engine_url"], hang=False)
+    time.sleep(3.0 + 2 * 2 + 1)  # kv_events_grace_s, then two routing-stats periods
+    silent = [r["replica_id"] for r in replicas(faults_app)
+              if r["routing_stats"].get("kv_events_live") is False]
+    assert silent == []
+
+
 def test_replica_without_kv_events_is_reported_and_still_served(faults_app, tokenizer):
     """FAULTS.md 8.2: B publishes no events; within the grace period it is reported, and its
     requests still succeed on predicted entries."""
