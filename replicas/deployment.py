@@ -28,6 +28,7 @@ from replicas.engine import EnginePorts, EngineProcess, EngineStartError
 from replicas.engine_metrics import PrefillRateEstimator, parse_engine_metrics
 from router.config import Settings
 from router.hashing import BlockHasher
+from router.index.base import IndexUnavailable
 from router.kv_consumer import EventFeed
 from router.protocol import ReplicaHead, RoutedRequest
 from router.state import make_index
@@ -264,9 +265,20 @@ class EngineReplica:
         await self.shutdown()
 
     async def shutdown(self) -> None:
+        """Stop the engine and the event feed, then remove this replica's entries from the
+        shared index: the routers purge a replica that leaves, but its feed, still running
+        during Serve's graceful shutdown, would take that purge for a lost index and
+        rebuild the entries from its record; this last write wins."""
         if getattr(self, "_monitor", None):
             self._monitor.cancel()
         if getattr(self, "feed", None):
             await self.feed.stop()
+        if getattr(self, "index", None) is not None:
+            try:
+                await self.index.remove_replica(self.replica_id)
+            except IndexUnavailable:
+                logger.warning("replica %s could not remove its index entries (Redis "
+                               "unavailable); the routers purge them when it leaves",
+                               self.replica_id)
         if getattr(self, "engine", None):
             await self.engine.stop()

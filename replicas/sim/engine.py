@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from replicas.sim.block_pool import BlockPool, KVCacheBlock
 from replicas.sim.step_model import StepTimeModel

@@ -496,6 +496,66 @@ def test_two_replicas_on_one_node_are_both_addressable(faults_app, tokenizer):
     assert seen <= {r["replica_id"] for r in reps}
 
 
+def test_scaling_out_and_in_purges_removed_replicas_and_shares_cold_traffic(
+        serve_http_port, model_dir, own_redis, tokenizer):
+    """Issue 3, lifecycle: after a redeploy with 3 replicas, then 2, every replica that left
+    has its index entries, load and leases purged and gets no request, and the replicas
+    there share cold traffic fairly (a new replica enters with an empty cache). A redeploy
+    from Python restarts Serve's replicas (a new code version each time), so it exercises
+    removal and arrival together."""
+    from ray import serve
+    ns = f"scale-{os.getpid()}"
+    args = dict(model=str(model_dir), engine="sim", replica_num_cpus=0.1,
+                ingress_num_cpus=0.1, redis_url=own_redis.url, redis_timeout_s=0.05,
+                index_namespace=ns, kv_events_grace_s=3.0,
+                extra_engine_args=["--step-model", "0.002,0.00002,0.0005,0"])
+    c = own_redis.client()
+
+    def ids(svc, n, without=frozenset()):
+        reps = replicas(svc)
+        got = {r["replica_id"] for r in reps}
+        ok = len(reps) == n and not got & without and \
+            all(r["routing_stats"].get("engine_alive") for r in reps)
+        return got if ok else None
+
+    def purged(gone):  # no entry, no load, no lease left for a replica that left
+        load = {k.decode(): int(v) for k, v in c.hgetall(f"{ns}:load").items()}
+        leases = [v.decode() for v in c.hvals(f"{ns}:leases")]
+        return all(c.hlen(f"{ns}:x:{g}") == 0 and c.hlen(f"{ns}:p:{g}") == 0
+                   and not load.get(f"{g}:n") and not load.get(f"{g}:p")
+                   and not any(v.startswith(g + "|") for v in leases) for g in gone)
+
+    def cold_share(svc, tag, n):
+        return [svc.client.post("/v1/chat/completions", json=chat_body(
+            make_text(100, f"{tag}-{i}"), "c")).headers["x-routed-replica"] for i in range(n)]
+
+    svc = run_app(serve_http_port, "scale", "/scale", num_replicas=2, **args)
+    try:
+        before = wait_until(lambda: ids(svc, 2), 120, 1.0, "2 replicas")
+        for i in range(6):  # entries and load on every replica
+            svc.client.post("/v1/chat/completions",
+                            json=chat_body(make_text(300, f"scale-warm-{i}"), "w"))
+        time.sleep(0.5)
+        assert all(c.hlen(f"{ns}:x:{r}") > 0 for r in before)
+        for n, tag in ((3, "out"), (2, "in")):
+            run_app(serve_http_port, "scale", "/scale", num_replicas=n, **args)
+            now = wait_until(lambda: ids(svc, n, frozenset(before - (ids(svc, n) or set()))),
+                             180, 1.0, f"{n} replicas")
+            gone = before - now
+            try:
+                wait_until(lambda: purged(gone), 20, 0.5, "the removed replicas purged")
+            except AssertionError:
+                raise AssertionError([(g, c.hlen(f"{ns}:x:{g}"), c.hlen(f"{ns}:p:{g}"))
+                                      for g in gone] + [c.hgetall(f"{ns}:load")]) from None
+            routed = cold_share(svc, f"scale-{tag}", 10 * n)
+            assert not set(routed) & gone, routed
+            assert all(5 <= routed.count(r) <= 15 for r in now), routed
+            before = now
+        assert_no_load_left(c, ns)
+    finally:
+        serve.delete("scale")
+
+
 def test_prompt_of_120k_tokens_is_forwarded(faults_app):
     """FAULTS.md 10.2 (1): a long prompt (about 0.5 MB) reaches the engine and is answered."""
     prompt = " ".join(f"w{i % 997}" for i in range(120_000))
