@@ -132,6 +132,7 @@ class RedisLoadTracker(LoadTracker):
 
         try:
             await self.conn.call(run)
+            self._unreleased.discard(request_id)  # the script released any earlier lease
         except IndexUnavailable:
             pass
 
@@ -202,6 +203,7 @@ class RedisLoadTracker(LoadTracker):
             return await self._s(c)[1](keys=keys, args=args)
 
         res = await self.conn.call(run)
+        self._unreleased.discard(request_id)  # the script released any earlier lease
         chosen = replicas[int(res[0]) - 1]
         matched = {r: int(n) for r, n in zip(replicas, res[1:])}
         cached = min(matched[chosen], (prompt_tokens - 1) // block_size) * block_size \

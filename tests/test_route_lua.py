@@ -294,3 +294,21 @@ async def test_a_release_that_fails_is_retried_until_redis_takes_it(own_redis):
     assert int(admin.hget("t:load", "a:n")) == 0 and int(admin.hget("t:load", "a:p")) == 0
     await load.close()
     await conn.close()
+
+
+async def test_a_pending_release_does_not_take_a_later_reservation_of_the_same_request(
+        redis_pair):
+    """A retry reserves the same request id again after its first attempt's release failed:
+    the reservation replaces the old lease itself, so the pending release is dropped and
+    the retry keeps its load."""
+    index, load, clock = redis_pair
+    await load.reserve("r", "a", 100)
+    load._unreleased.add("r")  # the first attempt's release did not reach Redis
+    await load.route(index, "r", 1000, [1, 2, 3], ["a", "b"], [15.0, 15.0],
+                     **route_kwargs(PrefixAware(), 0.5))
+    assert await load.retry_releases() == 0
+    assert sum(v.inflight for v in (await load.loads(["a", "b"])).values()) == 1
+    load._unreleased.add("r")
+    await load.reserve("r", "b", 10)
+    await load.retry_releases()
+    assert (await load.loads(["b"]))["b"].inflight == 1
