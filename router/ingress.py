@@ -261,7 +261,7 @@ class IngressCore:
         route = route_label(path)
         req.t_arrival = t_arrival
         for attempt in (1, 2):
-            dispatch = _Dispatch(self, req, route, t_arrival)
+            dispatch = _Dispatch(self, req, route)
             try:
                 head = await dispatch.start()
                 self.health.record(dispatch.replica, not head.retryable)
@@ -318,11 +318,10 @@ class _Dispatch:
     """One attempt of one request on one replica. ``close`` is idempotent and is called on
     every path (it cancels the replica call if unfinished and releases the reservation)."""
 
-    def __init__(self, core: IngressCore, req: RoutedRequest, route: str, t_arrival: float):
+    def __init__(self, core: IngressCore, req: RoutedRequest, route: str):
         self.core = core
         self.req = req
         self.route = route
-        self.t_arrival = t_arrival
         self.gen = None
         self.head: ReplicaHead | None = None
         self.replica = ""
@@ -354,7 +353,7 @@ class _Dispatch:
                 if not self.started_body:
                     self.started_body = True
                     await self.core.load.prefill_done(self.req.request_id)
-                    metrics.get("ttft").observe(time.perf_counter() - self.t_arrival,
+                    metrics.get("ttft").observe(time.perf_counter() - self.req.t_arrival,
                                                 tags={"route": self.route})
                 self.scanner.feed(chunk)
                 yield chunk
