@@ -59,7 +59,7 @@ def test_unknown_paths_and_methods_get_the_openai_error_shape():
         assert r.json()["error"]["code"] == status and r.json()["error"]["message"]
 
 
-async def test_a_huge_completion_prompt_does_not_stall_the_event_loop(model_dir):
+async def test_a_huge_completion_prompt_does_not_stall_the_event_loop(ingress):
     """Found by a break test: a 3.8 MB completion prompt (under the tokenize limit) was
     encoded with the tokenizer's ``encode`` under the renderer's lock, and every other
     request (rendered on the event loop, waiting for that lock) waited about 4 s. It is now
@@ -68,7 +68,6 @@ async def test_a_huge_completion_prompt_does_not_stall_the_event_loop(model_dir)
     import asyncio
     import json
     import time
-    ingress = IngressCore(Settings(model=str(model_dir)), engine_handle=None)
     raw = json.dumps({"model": "m", "prompt": "hello world, quick brown fox " * 40_000}).encode()
     gaps: list[float] = []
     done = asyncio.Event()
@@ -98,9 +97,8 @@ async def test_a_huge_completion_prompt_does_not_stall_the_event_loop(model_dir)
     assert max(gaps) < 0.5 * total, (max(gaps), total)
 
 
-def test_completion_ids_equal_the_tokenizers_with_and_without_special_tokens(model_dir):
-    from router.prompts import PromptRenderer
-    renderer = PromptRenderer(str(model_dir))
+def test_completion_ids_equal_the_tokenizers_with_and_without_special_tokens(ingress):
+    renderer = ingress.renderer
     tok = renderer.tokenizer
     texts = ["hello", "word " * 3000, "a<|im_start|>b<|endoftext|> c", " lead and trail "]
     for text in texts:
@@ -110,12 +108,11 @@ def test_completion_ids_equal_the_tokenizers_with_and_without_special_tokens(mod
             assert info.token_ids == tok.encode(text, add_special_tokens=special)
 
 
-def test_prompts_the_engine_changes_are_routed_by_load(model_dir):
+def test_prompts_the_engine_changes_are_routed_by_load(ingress):
     """Found by a break test: ``truncate_prompt_tokens`` requests were hashed on the whole
     prompt (832 cached tokens predicted where the engine kept 300); a request's own chat
     template is not the one the router renders with."""
-    from router.prompts import CHAT_PATH, PromptRenderer
-    renderer = PromptRenderer(str(model_dir))
+    renderer = ingress.renderer
     msgs = [{"role": "user", "content": "word " * 500}]
     assert renderer.render(CHAT_PATH, {"messages": msgs}).cacheable
     for body in ({"messages": msgs, "truncate_prompt_tokens": 300},

@@ -246,13 +246,7 @@ def test_disconnects_leak_no_load(faults_app, own_redis, tokenizer):
         await asyncio.gather(*(one(i) for i in range(30)))
 
     asyncio.run(all_())
-    try:
-        wait_until(lambda: _load_sum(own_redis, "n") == 0 and _load_sum(own_redis, "p") == 0,
-                   15, 0.5, "Redis load keys back to 0")
-    except AssertionError:
-        c = own_redis.client()
-        raise AssertionError((c.hgetall(f"{faults_ns()}:load"),
-                              c.hgetall(f"{faults_ns()}:leases")))
+    assert_no_load_left(own_redis.client(), faults_ns())
     def engines_idle():
         states = [httpx.get(r["metadata"]["engine_url"] + "/sim/state").json()
                   for r in replicas(faults_app)]
@@ -299,8 +293,7 @@ def test_shared_load_counts_every_routers_requests_on_every_route(faults_app, ow
     for t in threads:
         t.join(60)
     assert [s for s, _ in results] == [200] * 30
-    wait_until(lambda: _load_sum(own_redis, "n") == 0 and _load_sum(own_redis, "p") == 0,
-               15, 0.2, "in flight back to 0")
+    assert_no_load_left(own_redis.client(), faults_ns())
 
 
 def test_prefix_cache_reset_clears_the_replicas_entries(faults_app, tokenizer):
