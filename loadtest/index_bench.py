@@ -29,6 +29,7 @@ import time
 import uuid
 
 from loadtest.multiturn import RESULTS, write_benchmark_doc
+from router import state
 from router.index.base import KVEvent
 from router.index.redis_index import RedisConnections, RedisPrefixIndex
 from router.load_redis import RedisLoadTracker
@@ -150,6 +151,7 @@ async def bench_overhead(url: str, tokens: int, iters: int, unique: bool = False
     core = RoutingCore(settings, RedisPrefixIndex(url, ns, connections=conn),
                        RedisLoadTracker(conn, ns), PrefixAware(random.Random(0)))
     replicas = [ReplicaInfo(f"replica-{i}", {}, {}) for i in range(8)]
+    state.put("replica_ids", frozenset(r.replica_id for r in replicas))  # as Serve's router
     shared = text_of(tokens, "overhead", ingress.renderer.tokenizer)
     prepare_s, decide_s, total_s, sizes = [], [], [], []
     for i in range(iters):
@@ -167,7 +169,9 @@ async def bench_overhead(url: str, tokens: int, iters: int, unique: bool = False
         prepare_s.append(t1 - t0)
         decide_s.append(t2 - t1)
         total_s.append(t2 - t0)
-        sizes.append(req.prompt_tokens)
+        sizes.append(len(ingress.renderer.tokenizer.apply_chat_template(  # exact, uncached
+            json.loads(body)["messages"], tokenize=True, add_generation_prompt=True,
+            return_dict=False)))
     await core.index.flush()
     return {"tokens": int(statistics.median(sizes)), "replicas": 8, "iters": iters,
             "unique": unique,
@@ -204,6 +208,7 @@ def _concurrent_worker(url: str, ns: str, tokens: int, share: int, worker: int,
     core = RoutingCore(settings, RedisPrefixIndex(url, ns, connections=conn),
                        RedisLoadTracker(conn, ns), PrefixAware(random.Random(worker)))
     replicas = [ReplicaInfo(f"replica-{i}", {}, {}) for i in range(8)]
+    state.put("replica_ids", frozenset(r.replica_id for r in replicas))  # as Serve's router
     bodies = [json.dumps({"model": "tiny-qwen2", "messages": [
         {"role": "system", "content": text_of(tokens, f"concurrent-{worker}-{i}",
                                               ingress.renderer.tokenizer)},

@@ -132,6 +132,13 @@ class Settings(BaseSettings):
                                            "load without rendering or tokenizing the prompt "
                                            "(a 20 MB prompt took 25 s to tokenize; the engine "
                                            "gives the authoritative answer).")
+    route_head_chars: int = Field(
+        2048, ge=0, description="Under prefix_aware, a prompt longer than this (characters) "
+                                "is tokenized up to about here first, and the rest only if a "
+                                "replica holds every block of that head (no replica can "
+                                "match further otherwise); a long new prompt then costs the "
+                                "router a head's tokenization, not the whole prompt's. "
+                                "0: always tokenize whole.")
     request_timeout_s: float = Field(
         1800.0, gt=0, description="Upper bound of one request to an engine.")
 

@@ -56,10 +56,55 @@ class PromptInfo:
     reason: str = ""
     cache_salt: str | None = None
     lora_name: str | None = None
+    rest: "PromptRest | None" = None
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """The prompt's length in tokens: exact when it is all encoded, else the encoded
+        head plus ``rest.estimated_tokens``."""
+        return len(self.token_ids) + (self.rest.estimated_tokens if self.rest else 0)
+
+    def finish(self) -> None:
+        """Encode the rest, if any: ``token_ids`` becomes the whole prompt's ids."""
+        if self.rest is not None:
+            self.token_ids = self.token_ids + self.rest.encode()
+            self.rest = None
+
+
+class PromptRest:
+    """The part of a prompt after its encoded head (``PromptRenderer.render(head_chars=)``).
+
+    Args:
+        encoder: the ``SegmentEncoder`` that encoded the head.
+        chunks: the unencoded chunks of the piece the head stopped in (possibly none).
+        crossing: that piece and its head ids (cached whole once the rest is encoded), or
+            None.
+        parts: ``SegmentEncoder`` split parts after that piece (pieces at even positions,
+            added tokens at odd ones, from ``parity``).
+        suffix: ids the post-processor puts after the text (a completion's special tokens).
+        tokens_per_char: the head's density, for ``estimated_tokens``.
+    """
+
+    def __init__(self, encoder: "SegmentEncoder", chunks: list[str],
+                 crossing: tuple[str, list[int]] | None, parts: list[str], parity: int,
+                 suffix: list[int], tokens_per_char: float):
+        self.encoder, self.chunks, self.crossing = encoder, chunks, crossing
+        self.parts, self.parity, self.suffix = parts, parity, suffix
+        self.chars = sum(map(len, chunks)) + sum(map(len, parts))
+        self.estimated_tokens = round(self.chars * tokens_per_char) + len(suffix)
+
+    def encode(self) -> list[int]:
+        """The rest's token ids (exactly what encoding the whole text would give after the
+        head's ids)."""
+        out: list[int] = []
+        if self.chunks:
+            out = [i for enc in self.encoder._backend.encode_batch(
+                self.chunks, add_special_tokens=False) for i in enc.ids]
+            if self.crossing is not None:
+                piece, head_ids = self.crossing
+                self.encoder._store(piece, head_ids + out)
+        self.encoder._encode_parts(self.parts, self.parity, out)
+        return out + self.suffix
 
 
 def _content_to_text(content: Any) -> str | None:
@@ -224,12 +269,85 @@ class SegmentEncoder:
         reads the tokenizer (shared borrows), the cache has its own lock; so one huge prompt
         does not hold up the others."""
         out: list[int] = []
-        for k, piece in enumerate(self._split.split(text)):
+        self._encode_parts(self._split.split(text), 0, out)
+        return out
+
+    def encode_head(self, text: str, head_chars: int,
+                    suffix: list[int] | None = None) -> tuple[list[int], PromptRest | None]:
+        """The ids of ``text``'s first ``head_chars`` characters or so, and its rest.
+
+        The head ends after an added token, or between the chunks of a long piece that is
+        not cached (see ``_chunks``), so head ids + ``rest.encode()`` equal
+        ``encode(text)`` (+ ``suffix``). A rest is left only when it holds more than
+        ``head_chars`` characters still to tokenize: text from the cache (a conversation's
+        earlier turns) costs little and is encoded now. The rest is None then, for short
+        texts, and when long pieces are not cut for this tokenizer.
+
+        Args:
+            head_chars: characters to encode at least (> 0).
+            suffix: ids that follow the text (kept for after the rest).
+        """
+        suffix = list(suffix or [])
+        if not self.chunked or len(text) <= head_chars:
+            return self.encode(text) + suffix, None
+        parts = self._split.split(text)
+        out: list[int] = []
+        used = 0
+        for k, piece in enumerate(parts):
+            if k % 2:
+                out.append(self._ids[piece])
+                used += len(piece)
+                continue
+            if not piece:
+                continue
+            if used >= head_chars:
+                if self._uncached_chars(parts, k) > head_chars:
+                    return out, PromptRest(self, [], None, parts[k:], k % 2, suffix,
+                                           len(out) / used)
+                self._encode_parts(parts[k:], k % 2, out)  # cheap: from the cache
+                return out + suffix, None
+            # a long piece that is not cached is cut, and the head ends inside it
+            chunks = None
+            if (used + len(piece) > head_chars and len(piece) > 2 * self.chunk_chars
+                    and self._cached(piece) is None):
+                chunks = self._chunks(piece, min(self.chunk_chars, max(head_chars, 256)))
+            if chunks is None:
+                out.extend(self._piece(piece))
+                used += len(piece)
+                continue
+            n = 0
+            while n < len(chunks) and used < head_chars:
+                used += len(chunks[n])
+                n += 1
+            head = [i for enc in self._backend.encode_batch(chunks[:n], add_special_tokens=False)
+                    for i in enc.ids] if n else []
+            out.extend(head)
+            if n == len(chunks):  # the piece ended the head: cached like any other
+                self._store(piece, head)
+                continue
+            return out, PromptRest(self, chunks[n:], (piece, head), parts[k + 1:], (k + 1) % 2,
+                                   suffix, len(out) / max(used, 1))
+        return out + suffix, None
+
+    def _encode_parts(self, parts: list[str], parity: int, out: list[int]) -> None:
+        """Append the ids of split ``parts`` to ``out``; ``parts[i]`` is an added token
+        when ``(i + parity)`` is odd."""
+        for k, piece in enumerate(parts, parity):
             if k % 2:  # an added token
                 out.append(self._ids[piece])
             elif piece:
                 out.extend(self._piece(piece))
-        return out
+
+    def _uncached_chars(self, parts: list[str], start: int) -> int:
+        """Characters of the pieces in ``parts[start:]`` (``start`` even: a piece) that
+        encoding would have to tokenize (short ones, and long ones not in the cache)."""
+        with self._cache_lock:
+            return sum(len(p) for p in parts[start::2]
+                       if len(p) < self.min_chars or p not in self._cache)
+
+    def _cached(self, piece: str) -> array | None:
+        with self._cache_lock:
+            return self._cache.get(piece)
 
     def _piece(self, piece: str) -> list[int] | array:
         if len(piece) < self.min_chars:
@@ -242,15 +360,19 @@ class SegmentEncoder:
                 return ids
             self.misses += 1
         ids = self._encode_piece(piece)
-        if len(piece) <= self.max_chars:
-            with self._cache_lock:
-                if piece not in self._cache:
-                    self._cache[piece] = array("I", ids)
-                    self._chars += len(piece)
-                while self._chars > self.max_chars:
-                    old, _ = self._cache.popitem(last=False)
-                    self._chars -= len(old)
+        self._store(piece, ids)
         return ids
+
+    def _store(self, piece: str, ids: list[int]) -> None:
+        if len(piece) < self.min_chars or len(piece) > self.max_chars:
+            return
+        with self._cache_lock:
+            if piece not in self._cache:
+                self._cache[piece] = array("I", ids)
+                self._chars += len(piece)
+            while self._chars > self.max_chars:
+                old, _ = self._cache.popitem(last=False)
+                self._chars -= len(old)
 
 
 def _vllm_chat_request_model():
@@ -298,10 +420,13 @@ class PromptRenderer:
                 return list(full[:i]), list(full[i + len(plain):])
         return None
 
-    def render(self, path: str, body: dict[str, Any]) -> PromptInfo:
+    def render(self, path: str, body: dict[str, Any], head_chars: int = 0) -> PromptInfo:
         """Token ids of the request at ``path`` with JSON ``body``; never raises.
 
-        Not cacheable (routed by load) when the engine would not see the prompt the router
+        With ``head_chars`` > 0, a long text prompt is encoded up to about that many
+        characters and the rest is left in ``PromptInfo.rest`` (``finish()`` encodes it):
+        the router needs the rest only when some replica holds the whole head
+        (``SegmentEncoder.encode_head``). Not cacheable (routed by load) when the engine would not see the prompt the router
         renders: ``truncate_prompt_tokens`` (the engine drops tokens, by rules that vary
         with its version and tokenizer) or a chat template sent with the request.
         """
@@ -310,7 +435,8 @@ class PromptRenderer:
         if path == CHAT_PATH and body.get("chat_template") is not None:
             return PromptInfo(cacheable=False, reason="request carries its own chat template")
         try:
-            info = self._render_chat(body) if path == CHAT_PATH else self._render_completion(body)
+            info = (self._render_chat(body, head_chars) if path == CHAT_PATH
+                    else self._render_completion(body, head_chars))
         except Exception as exc:  # the engine gives the authoritative 4xx for bad input
             logger.debug("prompt not rendered (%s): routing by load", exc)
             return PromptInfo(cacheable=False, reason=f"render failed: {type(exc).__name__}")
@@ -321,7 +447,7 @@ class PromptRenderer:
             info.lora_name = model if model in self.lora_names else None
         return info
 
-    def _render_chat(self, body: dict[str, Any]) -> PromptInfo:
+    def _render_chat(self, body: dict[str, Any], head_chars: int = 0) -> PromptInfo:
         tools = body.get("tools") or None
         messages = body.get("messages")
         if self._vllm_request is not None:
@@ -360,7 +486,10 @@ class PromptRenderer:
             with self._lock:
                 text = self.tokenizer.apply_chat_template(
                     conversation, tools=tools if tools else None, tokenize=False, **kwargs)
-            ids = self.segments.encode(text)  # outside the lock (see SegmentEncoder.encode)
+            # outside the lock (see SegmentEncoder.encode)
+            ids, rest = self.segments.encode_head(text, head_chars) if head_chars \
+                else (self.segments.encode(text), None)
+            return PromptInfo(token_ids=list(map(int, ids)), rest=rest)
         else:
             with self._lock:
                 ids = self.tokenizer.apply_chat_template(
@@ -368,7 +497,7 @@ class PromptRenderer:
                     return_dict=False, **kwargs)
         return PromptInfo(token_ids=list(map(int, ids)))
 
-    def _render_completion(self, body: dict[str, Any]) -> PromptInfo:
+    def _render_completion(self, body: dict[str, Any], head_chars: int = 0) -> PromptInfo:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
             prompt = prompt[0]  # a batch of one prompt
@@ -378,10 +507,10 @@ class PromptRenderer:
             add_special = bool(body.get("add_special_tokens", True))
             if self._special_affixes is not None:
                 # piecewise and outside the lock, like chats: a huge prompt holds up no one
-                ids = self.segments.encode(prompt)
-                if add_special:
-                    before, after = self._special_affixes
-                    ids = before + list(ids) + after
+                before, after = self._special_affixes if add_special else ([], [])
+                ids, rest = self.segments.encode_head(prompt, head_chars, after) if head_chars \
+                    else (list(self.segments.encode(prompt)) + after, None)
+                return PromptInfo(token_ids=before + list(map(int, ids)), rest=rest)
             else:
                 with self._lock:
                     ids = self.tokenizer.encode(prompt, add_special_tokens=add_special)

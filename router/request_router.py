@@ -46,6 +46,7 @@ class PrefixCacheRequestRouter(RequestRouter):
         self._known: set[str] = set()
         self._feeds: dict = {}
         state.put("replica_count", None)
+        state.put("replica_ids", None)
 
     def _routing_core(self) -> RoutingCore:
         # Created on the router's own loop: a Redis client belongs to the loop that made it.
@@ -157,6 +158,7 @@ class PrefixCacheRequestRouter(RequestRouter):
         super().update_replicas(replicas)
         ids = {r.replica_id.unique_id for r in replicas}
         state.put("replica_count", len(ids))
+        state.put("replica_ids", frozenset(ids))
         state.put("request_router", self)
         gone = self._known - ids
         self._known = ids

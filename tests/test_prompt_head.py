@@ -1,0 +1,75 @@
+"""A long prompt is tokenized only as far as any replica's match can reach
+(``Settings.route_head_chars``, ``IngressCore.prepare``): a new prompt is routed on its
+head's blocks with its length estimated; one whose head a replica holds is tokenized whole."""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import pytest
+
+from router import state
+from router.config import Settings
+from router.ingress import IngressCore
+from router.prompts import CHAT_PATH, COMPLETIONS_PATH
+from tests.conftest import make_text
+
+
+@pytest.fixture
+def replicas():
+    state.put("replica_ids", frozenset({"replica-a", "replica-b"}))
+    yield
+    state.put("replica_ids", None)
+
+
+def _body(path: str, doc: str, question: str) -> bytes:
+    if path == CHAT_PATH:
+        return json.dumps({"model": "m", "messages": [
+            {"role": "system", "content": "You answer questions about the document."},
+            {"role": "user", "content": doc + "\n\n" + question}]}).encode()
+    return json.dumps({"model": "m", "prompt": doc + "\n\n" + question}).encode()
+
+
+@pytest.mark.parametrize("path", [CHAT_PATH, COMPLETIONS_PATH])
+async def test_a_long_prompt_is_tokenized_past_its_head_only_where_a_replica_holds_it(
+        model_dir, replicas, path):
+    settings = Settings(model=str(model_dir), index_namespace=f"head-{uuid.uuid4().hex[:6]}")
+    lazy = IngressCore(settings, engine_handle=None)
+    whole = IngressCore(settings.model_copy(update={"route_head_chars": 0}), engine_handle=None)
+    body = _body(path, make_text(20_000, "document"), "What is S0042 about?")
+    ref = await whole.prepare(path, body)
+
+    # nothing held anywhere: the head's blocks only, the length estimated
+    req = await lazy.prepare(path, body)
+    n = len(req.block_hashes)
+    assert 0 < n < len(ref.block_hashes) // 2
+    assert req.block_hashes == ref.block_hashes[:n]
+    assert abs(req.prompt_tokens - ref.prompt_tokens) <= 0.05 * ref.prompt_tokens
+
+    # a replica holds the head but its last block: still no match can pass the head
+    index = state.make_index(settings)
+    await index.record_predicted("replica-a", req.block_hashes[:-1], 60.0)
+    assert (await lazy.prepare(path, body)).block_hashes == req.block_hashes
+
+    # a replica holds the whole head: the prompt is tokenized whole
+    await index.record_predicted("replica-b", req.block_hashes, 60.0)
+    full = await lazy.prepare(path, body)
+    assert full.block_hashes == ref.block_hashes and full.prompt_tokens == ref.prompt_tokens
+
+    # other policies get the whole prompt (they read its length and block count)
+    other = IngressCore(settings.model_copy(update={"policy": "least_loaded"}), None)
+    assert (await other.prepare(path, _body(path, make_text(6000, "other"), "?"))
+            ).block_hashes == (await whole.prepare(path, _body(path, make_text(6000, "other"),
+                                                              "?"))).block_hashes
+
+
+async def test_an_index_that_fails_leaves_the_prompt_at_its_head(model_dir, replicas):
+    """Redis down: the head lookup fails fast and routing falls back to load, so the rest
+    is not tokenized for nothing."""
+    settings = Settings(model=str(model_dir), redis_url="redis://127.0.0.1:1/0",
+                        redis_timeout_s=0.05)
+    lazy = IngressCore(settings, engine_handle=None)
+    req = await lazy.prepare(CHAT_PATH, _body(CHAT_PATH, make_text(20_000, "x"), "?"))
+    assert 0 < len(req.block_hashes) < 20_000 // settings.block_size // 2
+    assert req.prompt_tokens > 19_000
