@@ -9,13 +9,17 @@ request with a system prompt of its own (nothing cached anywhere), streamed, 1 o
 * One at a time, for prompts of about 1k, 32k and 120k tokens: each size alternates a
   request through the router and one straight to an engine (the engines alternate too);
   overhead = median TTFT through the router - median TTFT direct (and the same at p99).
-* 32 prompts of about 32k tokens at once: first 32 straight to the engines (16 each), then
-  32 others through the router; overhead p50 / p99 = the difference of the two runs' p50 /
-  p99. The engines' queues are part of both runs, as in production: a request that the
-  router dispatches later also waits less in its engine's queue.
+* 32 prompts of about 32k tokens at once, 3 rounds: in each, 32 straight to the engines
+  (16 each), then 32 others through the router; overhead p50 / p99 = the difference of the
+  two paths' p50 / p99 over all rounds. The engines' queues are part of both, as in
+  production: a request that the router dispatches later also waits less in its engine's
+  queue.
+* Every response through the router carries the router's own arrival-to-dispatch time
+  (``server-timing: routing;dur=``); its p50 / p99 under the same load are reported too.
 
-The arrival-to-dispatch time inside the router (no engine at all) is measured by
-``python -m loadtest.index_bench --only overhead``; this benchmark shows what a client sees.
+The arrival-to-dispatch time inside the router with no engine and no Ray at all is measured
+by ``python -m loadtest.index_bench --only overhead``; this benchmark shows what a client
+sees.
 
     python -m loadtest.overhead_e2e                 # writes docs/benchmarks.md
     python -m loadtest.overhead_e2e --iters 3 --no-write
@@ -38,8 +42,11 @@ from loadtest.multiturn import start_service, write_benchmark_doc
 PROFILE = "h200-qwen2.5-7b"
 
 
-async def ttft(client: httpx.AsyncClient, url: str, system: str) -> float:
-    """Seconds from sending a streamed chat request to its first SSE data line.
+async def ttft(client: httpx.AsyncClient, url: str,
+               system: str) -> tuple[float, float | None, str | None]:
+    """Seconds from sending a streamed chat request to its first SSE data line, the
+    router's own arrival-to-dispatch time (s) from its ``server-timing`` header, and the
+    replica that served it (both None straight to an engine).
 
     Raises:
         RuntimeError: the answer was not 200.
@@ -51,39 +58,61 @@ async def ttft(client: httpx.AsyncClient, url: str, system: str) -> float:
     async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{url}: {r.status_code} {(await r.aread())[:200]!r}")
+        replica = r.headers.get("x-routed-replica")
+        timing = r.headers.get("server-timing", "")
+        routing = float(timing.split("dur=")[1]) / 1e3 if "dur=" in timing else None
         first = None
         async for line in r.aiter_lines():  # read to the end: the request completes
             if first is None and line.startswith("data: {"):
                 first = time.perf_counter() - t0
     if first is None:
         raise RuntimeError(f"{url}: stream ended without data")
-    return first
+    return first, routing, replica
 
 
 async def single(router: str, engines: list[str], tokens: int, iters: int, tokenizer,
                  tag: str) -> dict:
-    via, direct = [], []
+    via, direct, routing = [], [], []
     async with httpx.AsyncClient(timeout=600) as c:
         for i in range(iters):
-            direct.append(await ttft(c, engines[i % 2],
-                                     text_of(tokens, f"{tag}-d{tokens}-{i}", tokenizer)))
-            via.append(await ttft(c, router, text_of(tokens, f"{tag}-r{tokens}-{i}", tokenizer)))
-    return {"tokens": tokens, "iters": iters,
+            direct.append((await ttft(c, engines[i % 2],
+                                      text_of(tokens, f"{tag}-d{tokens}-{i}", tokenizer)))[0])
+            t, r, _ = await ttft(c, router, text_of(tokens, f"{tag}-r{tokens}-{i}", tokenizer))
+            via.append(t)
+            routing.append(r)
+    return {"tokens": tokens, "iters": iters, **_routing(routing),
             "direct_p50_ms": statistics.median(direct) * 1e3,
             "router_p50_ms": statistics.median(via) * 1e3,
             "overhead_p50_ms": (statistics.median(via) - statistics.median(direct)) * 1e3,
             "overhead_p99_ms": (pct(via, 0.99) - pct(direct, 0.99)) * 1e3}
 
 
-async def concurrent(router: str, engines: list[str], tokens: int, n: int, tokenizer,
-                     tag: str) -> dict:
-    direct_prompts = [text_of(tokens, f"{tag}-cd-{i}", tokenizer) for i in range(n)]
-    router_prompts = [text_of(tokens, f"{tag}-cr-{i}", tokenizer) for i in range(n)]
+def _routing(seconds: list[float | None]) -> dict:
+    """p50/p99 (ms) of the router's own arrival-to-dispatch times (``server-timing``)."""
+    got = [s for s in seconds if s is not None]
+    if len(got) != len(seconds):
+        raise RuntimeError("a response through the router had no server-timing header")
+    return {"routing_p50_ms": pct(got, 0.5) * 1e3, "routing_p99_ms": pct(got, 0.99) * 1e3}
+
+
+async def concurrent(router: str, engines: list[str], tokens: int, n: int, rounds: int,
+                     tokenizer, tag: str) -> dict:
+    """``rounds`` rounds of ``n`` requests at once straight to the engines, then ``n``
+    others through the router; percentiles over all rounds' requests."""
+    direct, via, routing, split = [], [], [], []
     async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=None)) as c:
-        direct = await asyncio.gather(*(ttft(c, engines[i % 2], p)
-                                        for i, p in enumerate(direct_prompts)))
-        via = await asyncio.gather(*(ttft(c, router, p) for p in router_prompts))
-    return {"tokens": tokens, "concurrency": n,
+        for k in range(rounds):
+            direct_prompts = [text_of(tokens, f"{tag}-cd{k}-{i}", tokenizer) for i in range(n)]
+            router_prompts = [text_of(tokens, f"{tag}-cr{k}-{i}", tokenizer) for i in range(n)]
+            direct += [t for t, _, _ in await asyncio.gather(
+                *(ttft(c, engines[i % 2], p) for i, p in enumerate(direct_prompts)))]
+            got = await asyncio.gather(*(ttft(c, router, p) for p in router_prompts))
+            via += [t for t, _, _ in got]
+            routing += [r for _, r, _ in got]
+            served = [rep for _, _, rep in got]
+            split.append(sorted((served.count(x) for x in set(served)), reverse=True))
+    return {"tokens": tokens, "concurrency": n, "rounds": rounds, "split": split,
+            **_routing(routing),
             "direct_p50_ms": pct(direct, 0.5) * 1e3, "direct_p99_ms": pct(direct, 0.99) * 1e3,
             "router_p50_ms": pct(via, 0.5) * 1e3, "router_p99_ms": pct(via, 0.99) * 1e3,
             "overhead_p50_ms": (pct(via, 0.5) - pct(direct, 0.5)) * 1e3,
@@ -92,16 +121,19 @@ async def concurrent(router: str, engines: list[str], tokens: int, n: int, token
 
 def table(singles: list[dict], conc: dict) -> str:
     rows = ["| prompt tokens | requests | TTFT direct p50 (ms) | TTFT via router p50 (ms) | "
-            "overhead p50 (ms) | overhead p99 (ms) |", "|---|---|---|---|---|---|"]
+            "overhead p50 (ms) | overhead p99 (ms) | router's own time p50 / p99 (ms) |",
+            "|---|---|---|---|---|---|---|"]
     for s in singles:
         rows.append(f"| {s['tokens']} | {s['iters']} + {s['iters']}, one at a time | "
                     f"{s['direct_p50_ms']:.1f} | {s['router_p50_ms']:.1f} | "
-                    f"{s['overhead_p50_ms']:.1f} | {s['overhead_p99_ms']:.1f} |")
-    rows.append(f"| {conc['tokens']} | {conc['concurrency']} + {conc['concurrency']}, "
-                f"{conc['concurrency']} at once | {conc['direct_p50_ms']:.0f} "
-                f"(p99 {conc['direct_p99_ms']:.0f}) | {conc['router_p50_ms']:.0f} "
-                f"(p99 {conc['router_p99_ms']:.0f}) | {conc['overhead_p50_ms']:.1f} | "
-                f"{conc['overhead_p99_ms']:.1f} |")
+                    f"{s['overhead_p50_ms']:.1f} | {s['overhead_p99_ms']:.1f} | "
+                    f"{s['routing_p50_ms']:.1f} / {s['routing_p99_ms']:.1f} |")
+    rows.append(f"| {conc['tokens']} | {conc['rounds']} x ({conc['concurrency']} + "
+                f"{conc['concurrency']}), {conc['concurrency']} at once | "
+                f"{conc['direct_p50_ms']:.0f} (p99 {conc['direct_p99_ms']:.0f}) | "
+                f"{conc['router_p50_ms']:.0f} (p99 {conc['router_p99_ms']:.0f}) | "
+                f"{conc['overhead_p50_ms']:.1f} | {conc['overhead_p99_ms']:.1f} | "
+                f"{conc['routing_p50_ms']:.1f} / {conc['routing_p99_ms']:.1f} |")
     return "\n".join(rows)
 
 
@@ -110,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=10, help="requests per size and path")
     ap.add_argument("--sizes", type=int, nargs="+", default=[1024, 32768, 122880])
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of concurrent requests")
     ap.add_argument("--no-write", action="store_true", help="print only")
     a = ap.parse_args(argv)
 
@@ -133,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                    for t in a.sizes]
         for s in singles:
             print(json.dumps(s), flush=True)
-        conc = await concurrent(router, engines, 32768, a.concurrency, tokenizer, tag)
+        conc = await concurrent(router, engines, 32768, a.concurrency, a.rounds, tokenizer,
+                                tag)
         print(json.dumps(conc), flush=True)
         return singles, conc
 

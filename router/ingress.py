@@ -13,12 +13,14 @@ The load reservation is released in a ``finally`` on every path: success, error,
 client disconnect (FAULTS.md 1.2, 5.1).
 
 Response headers: ``x-routed-replica`` (the replica that served), ``x-predicted-cached-tokens``
-(the index's prediction for it) and ``x-routing-reason`` (cache, load or fallback).
+(the index's prediction for it), ``x-routing-reason`` (cache, load or fallback) and
+``server-timing: routing;dur=<ms>`` (W3C Server Timing: arrival at the ingress to dispatch).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -163,6 +165,7 @@ class IngressCore:
         self.health = state.replica_health()
         self.inflight: dict[str, int] = {}  # this process's own dispatches, per replica
         self._index = None  # made on first use, on the ingress's loop (a Redis client's own)
+        self._turn: asyncio.Lock | None = None  # see _cpu_turn
 
     async def forget_predictions(self, req: RoutedRequest, replica: str) -> None:
         """The engine refused ``req`` (an error status): drop the predicted entries that its
@@ -250,10 +253,30 @@ class IngressCore:
         if len(raw) > inline:
             req, info = await asyncio.to_thread(self._prepare, path, raw, head)
         else:
-            req, info = self._prepare(path, raw, head)
-        if info.rest is not None and await self._head_held(req.block_hashes):
-            await asyncio.to_thread(self._finish, req, info)
+            async with self._cpu_turn():
+                req, info = self._prepare(path, raw, head)
+        if info.rest is not None:
+            held = await self._head_held(req.block_hashes)
+            if held:
+                await asyncio.to_thread(self._finish, req, info)
+            metrics.inc("long_prompts", tags={"tokenized": "whole" if held else "head"})
         return req
+
+    @contextlib.asynccontextmanager
+    async def _cpu_turn(self):
+        """One request's render on the event loop at a time, in arrival order, with the
+        loop's I/O between two of them: the lock is handed on at the loop's next iteration,
+        not at once. Without it, a burst of N requests runs all N renders before any of them
+        gets its index lookup's answer, so the first is dispatched after the whole burst's
+        work; with it, the k-th is dispatched after about k renders (FIFO, not processor
+        sharing). Free when there is no burst: an uncontended lock is taken at once."""
+        if self._turn is None:
+            self._turn = asyncio.Lock()
+        await self._turn.acquire()
+        try:
+            yield
+        finally:
+            asyncio.get_running_loop().call_soon(self._turn.release)
 
     async def _head_held(self, head_hashes: list[int]) -> bool:
         """Whether some replica holds every block of a prompt's head (exact or predicted
@@ -329,6 +352,8 @@ class IngressCore:
                 headers.update({"x-routed-replica": dispatch.replica,
                                 "x-predicted-cached-tokens": str(head.predicted_cached_tokens),
                                 "x-routing-reason": req.routing_reason or "load"})
+                if req.routing_s is not None:  # W3C Server-Timing: the router's own time
+                    headers["server-timing"] = f"routing;dur={req.routing_s * 1e3:.3f}"
                 if req.stream and head.status == 200:
                     headers.pop("content-type", None)
                     return _GuardedStreamingResponse(dispatch, status_code=head.status,

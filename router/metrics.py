@@ -63,6 +63,11 @@ def _make() -> dict[str, Any]:
             "router_selected_predicted_blocks_total",
             "Predicted cached blocks on the chosen replica, summed over decisions.",
             tag_keys=("replica",)),
+        "long_prompts": Counter(
+            "router_long_prompts_total",
+            "Prompts with more than route_head_chars characters to tokenize, by how far the "
+            "router tokenized them: head (no replica held the head; routed on it) or whole.",
+            tag_keys=("tokenized",)),
         "retries": Counter("router_retries_total",
                            "Requests retried on another replica before the first byte.",
                            tag_keys=("reason",)),

@@ -39,6 +39,8 @@ class RoutedRequest:
             on the same replicas).
         t_arrival: ``time.perf_counter()`` at the ingress when the request arrived (the
             router, in the same process, measures arrival to dispatch from it).
+        routing_s: set by the router on the first attempt: arrival to dispatch (s), the
+            router's own overhead (``server-timing`` header, ``router_routing_overhead``).
     """
 
     request_id: str
@@ -54,6 +56,7 @@ class RoutedRequest:
     policy: str | None = None
     closed: bool = False
     t_arrival: float = 0.0
+    routing_s: float | None = None
 
 
 def route_label(path: str) -> str:

@@ -88,8 +88,8 @@ class PrefixCacheRequestRouter(RequestRouter):
         now = time.perf_counter()
         metrics.get("decision_time").observe(now - t0, tags={"policy": self.policy.name})
         if req.t_arrival and not req.excluded_replicas:  # first attempt: arrival to dispatch
-            metrics.get("overhead").observe(now - req.t_arrival,
-                                            tags={"policy": self.policy.name})
+            req.routing_s = now - req.t_arrival
+            metrics.get("overhead").observe(req.routing_s, tags={"policy": self.policy.name})
         return ranked
 
     async def _choose(self, candidate_replicas: List[RunningReplica],

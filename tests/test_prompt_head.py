@@ -73,3 +73,32 @@ async def test_an_index_that_fails_leaves_the_prompt_at_its_head(model_dir, repl
     req = await lazy.prepare(CHAT_PATH, _body(CHAT_PATH, make_text(20_000, "x"), "?"))
     assert 0 < len(req.block_hashes) < 20_000 // settings.block_size // 2
     assert req.prompt_tokens > 19_000
+
+
+async def test_a_burst_is_rendered_in_arrival_order_with_the_index_answers_in_between(
+        model_dir, replicas):
+    """``IngressCore._cpu_turn``: 8 long prompts arrive at once. The first is dispatched
+    (its head lookup answered by Redis) before the fifth is rendered: the renders take
+    turns with the loop's I/O instead of all running before any lookup is answered."""
+    import asyncio
+
+    from tests.conftest import REDIS_URL
+    settings = Settings(model=str(model_dir), redis_url=REDIS_URL, redis_timeout_s=5.0,
+                        index_namespace=f"turn-{uuid.uuid4().hex[:6]}")
+    ingress = IngressCore(settings, engine_handle=None)
+    bodies = [_body(CHAT_PATH, make_text(6000, f"burst-{i}"), "?") for i in range(9)]
+    await ingress.prepare(CHAT_PATH, bodies[8])  # warm: template, Redis connection
+    events = []
+    render = ingress._prepare
+
+    def logged(path, raw, head=0):
+        events.append(("render", bodies.index(raw)))
+        return render(path, raw, head)
+    ingress._prepare = logged
+
+    async def one(i):
+        await ingress.prepare(CHAT_PATH, bodies[i])
+        events.append(("done", i))
+    await asyncio.gather(*(one(i) for i in range(8)))
+    assert [i for e, i in events if e == "render"] == list(range(8))
+    assert events.index(("done", 0)) < events.index(("render", 4)), events

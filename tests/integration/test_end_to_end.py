@@ -162,3 +162,36 @@ def test_router_hit_counters_match_the_engines_own(service, tokenizer):
     r1 = wait_until(lambda: (lambda t: t if t[2] - r0[2] >= 10 else None)(totals()), 60, 2.0,
                     "the per-request prediction error histogram")
     assert (r1[2] - r0[2], r1[3] - r0[3]) == (10, 10), (r0, r1)
+
+
+def test_a_long_new_document_is_routed_on_its_head_and_followed_up_exactly(service, tokenizer):
+    """A 6k-token document nobody holds is routed on its head's blocks (the router does not
+    tokenize the rest, ``route_head_chars``); a follow-up on the same document finds its
+    head held, is tokenized whole, goes to the same replica and is predicted exactly the
+    cached tokens the engine reports. ``server-timing`` carries the router's own time."""
+    def long_prompts():
+        text = service.client.get("/metrics").text
+        return {t: sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
+                       if x.startswith("router_long_prompts_total{") and f'"{t}"' in x)
+                for t in ("head", "whole")}
+    before = long_prompts()
+    doc = make_text(6000, "e2e-long-doc", tokenizer)
+    assert len(doc) > 2 * 4096  # a piece long enough to be cut at the head
+    ask = lambda q: [{"role": "user", "content": doc + "\n\n" + q}]  # noqa: E731
+    first = service.chat(ask("Summarise S0001."), max_tokens=1)
+    assert first.status_code == 200, first.text
+    assert first.headers["x-predicted-cached-tokens"] == "0"
+    name, _, dur = first.headers["server-timing"].partition(";dur=")
+    assert name == "routing" and 0 < float(dur) < 10_000
+    usage = first.json()["usage"]
+    assert usage["prompt_tokens"] > 6000
+    time.sleep(1.0)  # the engine's KV events reach the index
+    second = service.chat(ask("And S0002?"), max_tokens=1)
+    assert second.status_code == 200, second.text
+    assert second.headers["x-routed-replica"] == first.headers["x-routed-replica"]
+    cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= (6000 // BLOCK_SIZE - 1) * BLOCK_SIZE
+    assert int(second.headers["x-predicted-cached-tokens"]) == cached
+    wait_until(lambda: long_prompts() == {"head": before["head"] + 1,
+                                          "whole": before["whole"] + 1}, 60, 2.0,
+               "router_long_prompts_total: one head, one whole")
