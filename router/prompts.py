@@ -303,7 +303,7 @@ class SegmentEncoder:
             if used >= head_chars:
                 if self._uncached_chars(parts, k) > head_chars:
                     return out, PromptRest(self, [], None, parts[k:], k % 2, suffix,
-                                           len(out) / used)
+                                           self._density(out, used))
                 self._encode_parts(parts[k:], k % 2, out)  # cheap: from the cache
                 return out + suffix, None
             # a long piece that is not cached is cut, and the head ends inside it
@@ -311,6 +311,9 @@ class SegmentEncoder:
             if (used + len(piece) > head_chars and len(piece) > 2 * self.chunk_chars
                     and self._cached(piece) is None):
                 chunks = self._chunks(piece, min(self.chunk_chars, max(head_chars, 256)))
+                if chunks is None:  # no cut point (no spaces): the head ends before it
+                    return out, PromptRest(self, [], None, parts[k:], k % 2, suffix,
+                                           self._density(out, used))
             if chunks is None:
                 out.extend(self._piece(piece))
                 used += len(piece)
@@ -326,8 +329,16 @@ class SegmentEncoder:
                 self._store(piece, head)
                 continue
             return out, PromptRest(self, chunks[n:], (piece, head), parts[k + 1:], (k + 1) % 2,
-                                   suffix, len(out) / max(used, 1))
+                                   suffix, self._density(out, used))
         return out + suffix, None
+
+    # tokens per character assumed when the head is too short to measure (English prose
+    # runs at about 0.25 with byte-level BPE vocabularies of 150k tokens, code and CJK higher)
+    DEFAULT_TOKENS_PER_CHAR = 0.3
+
+    def _density(self, ids: list[int], chars: int) -> float:
+        """Tokens per character of a head, for the rest's estimated length."""
+        return len(ids) / chars if chars >= 256 else self.DEFAULT_TOKENS_PER_CHAR
 
     def _encode_parts(self, parts: list[str], parity: int, out: list[int]) -> None:
         """Append the ids of split ``parts`` to ``out``; ``parts[i]`` is an added token

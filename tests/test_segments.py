@@ -136,3 +136,18 @@ def test_a_prompt_within_the_head_is_encoded_whole(renderer):
     info = renderer.render(CHAT_PATH, {"model": "m", "messages": [
         {"role": "user", "content": "short " * 50}]}, head_chars=8192)
     assert info.rest is None and info.num_tokens == len(info.token_ids) > 50
+
+
+def test_a_long_piece_without_cut_points_is_left_whole_to_the_rest(renderer):
+    """A long piece with no single space before a letter (CJK, base64) cannot be cut; the
+    head ends before it, so encoding it happens only if needed (and off the event loop)."""
+    text = "日本語のテキスト" * 3000  # 24k characters, no spaces
+    msgs = [{"role": "system", "content": "Answer in Japanese. " * 20},
+            {"role": "user", "content": text}]
+    want = renderer.render(CHAT_PATH, {"model": "m", "messages": msgs}).token_ids
+    info = PromptRenderer(renderer.tokenizer.name_or_path).render(
+        CHAT_PATH, {"model": "m", "messages": msgs}, head_chars=2048)
+    assert info.rest is not None and len(info.token_ids) < len(want) // 10
+    assert info.token_ids == want[:len(info.token_ids)]
+    info.finish()
+    assert info.token_ids == want
