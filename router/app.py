@@ -13,6 +13,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.requests import ClientDisconnect
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
@@ -78,6 +79,14 @@ class Ingress:
         except OpenAIError as exc:
             metrics.inc("requests", 1, tags={"route": route, "status": str(exc.status)})
             return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        except (ClientDisconnect, asyncio.CancelledError) as exc:
+            # the client left (while sending its body, or before the answer started):
+            # counted as nginx's 499 "client closed request", not as a router error
+            metrics.inc("requests", 1, tags={"route": route, "status": "499"})
+            logger.info("client closed %s before the answer started", path)
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            return Response(status_code=499)
         except Exception as exc:  # a bug: still an OpenAI-style body, and a log line
             logger.exception("unexpected error on %s", path)
             metrics.inc("requests", 1, tags={"route": route, "status": "500"})

@@ -225,7 +225,15 @@ class IngressCore:
             lora_name=info.lora_name) if info.cacheable else []
 
     def _finish(self, req: RoutedRequest, info: PromptInfo) -> None:
-        info.finish()
+        """Encode the rest of a prompt whose head a replica holds, and hash it all. Text the
+        tokenizer refuses (a lone surrogate...) leaves the request routed by load, as
+        ``PromptRenderer.render`` does: the engine gives the authoritative 400."""
+        try:
+            info.finish()
+        except Exception as exc:
+            logger.debug("prompt rest not encoded (%s): routing by load", exc)
+            req.block_hashes = []
+            return
         self._hash(req, info)
 
     async def prepare(self, path: str, raw: bytes, policy: str | None = None) -> RoutedRequest:

@@ -32,7 +32,8 @@ def _make() -> dict[str, Any]:
 
     return {
         "requests": Counter("router_requests_total",
-                            "Requests answered by the ingress, by route and status code.",
+                            "Requests answered by the ingress, by route and status code (499: the "
+                            "client left before the answer started).",
                             tag_keys=("route", "status")),
         "decisions": Counter("router_decision_total",
                              "Routing decisions by reason: cache (a prefix match won), load "
@@ -66,7 +67,8 @@ def _make() -> dict[str, Any]:
         "long_prompts": Counter(
             "router_long_prompts_total",
             "Prompts with more than route_head_chars characters to tokenize, by how far the "
-            "router tokenized them: head (no replica held the head; routed on it) or whole.",
+            "router tokenized them: head (no replica held the head; routed on it) or whole "
+            "(a replica held it, or it had no full block to look up).",
             tag_keys=("tokenized",)),
         "retries": Counter("router_retries_total",
                            "Requests retried on another replica before the first byte.",

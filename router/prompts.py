@@ -82,16 +82,18 @@ class PromptRest:
         parts: ``SegmentEncoder`` split parts after that piece (pieces at even positions,
             added tokens at odd ones, from ``parity``).
         suffix: ids the post-processor puts after the text (a completion's special tokens).
-        tokens_per_char: the head's density, for ``estimated_tokens``.
+        tokens_per_byte: the head's density per UTF-8 byte, for ``estimated_tokens`` (per
+            byte, not per character: byte-level BPE vocabularies spend tokens on bytes, so a
+            rest in another script than the head is estimated better).
     """
 
     def __init__(self, encoder: "SegmentEncoder", chunks: list[str],
                  crossing: tuple[str, list[int]] | None, parts: list[str], parity: int,
-                 suffix: list[int], tokens_per_char: float):
+                 suffix: list[int], tokens_per_byte: float):
         self.encoder, self.chunks, self.crossing = encoder, chunks, crossing
         self.parts, self.parity, self.suffix = parts, parity, suffix
-        self.chars = sum(map(len, chunks)) + sum(map(len, parts))
-        self.estimated_tokens = round(self.chars * tokens_per_char) + len(suffix)
+        self.nbytes = sum(map(utf8_len, chunks)) + sum(map(utf8_len, parts))
+        self.estimated_tokens = round(self.nbytes * tokens_per_byte) + len(suffix)
 
     def encode(self) -> list[int]:
         """The rest's token ids (exactly what encoding the whole text would give after the
@@ -105,6 +107,12 @@ class PromptRest:
                 self.encoder._store(piece, head_ids + out)
         self.encoder._encode_parts(self.parts, self.parity, out)
         return out + self.suffix
+
+
+def utf8_len(text: str) -> int:
+    """Length of ``text`` in UTF-8 bytes (an ASCII string's is its length, found without
+    encoding; lone surrogates count 3 bytes)."""
+    return len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
 
 
 def _content_to_text(content: Any) -> str | None:
@@ -292,18 +300,19 @@ class SegmentEncoder:
             return self.encode(text) + suffix, None
         parts = self._split.split(text)
         out: list[int] = []
-        used = 0
+        used = nbytes = 0  # characters and UTF-8 bytes encoded
         for k, piece in enumerate(parts):
             if k % 2:
                 out.append(self._ids[piece])
                 used += len(piece)
+                nbytes += utf8_len(piece)
                 continue
             if not piece:
                 continue
             if used >= head_chars:
                 if self._uncached_chars(parts, k) > head_chars:
                     return out, PromptRest(self, [], None, parts[k:], k % 2, suffix,
-                                           self._density(out, used))
+                                           self._density(out, nbytes))
                 self._encode_parts(parts[k:], k % 2, out)  # cheap: from the cache
                 return out + suffix, None
             # a long piece that is not cached is cut, and the head ends inside it
@@ -313,14 +322,16 @@ class SegmentEncoder:
                 chunks = self._chunks(piece, min(self.chunk_chars, max(head_chars, 256)))
                 if chunks is None:  # no cut point (no spaces): the head ends before it
                     return out, PromptRest(self, [], None, parts[k:], k % 2, suffix,
-                                           self._density(out, used))
+                                           self._density(out, nbytes))
             if chunks is None:
                 out.extend(self._piece(piece))
                 used += len(piece)
+                nbytes += utf8_len(piece)
                 continue
             n = 0
             while n < len(chunks) and used < head_chars:
                 used += len(chunks[n])
+                nbytes += utf8_len(chunks[n])
                 n += 1
             head = [i for enc in self._backend.encode_batch(chunks[:n], add_special_tokens=False)
                     for i in enc.ids] if n else []
@@ -329,16 +340,16 @@ class SegmentEncoder:
                 self._store(piece, head)
                 continue
             return out, PromptRest(self, chunks[n:], (piece, head), parts[k + 1:], (k + 1) % 2,
-                                   suffix, self._density(out, used))
+                                   suffix, self._density(out, nbytes))
         return out + suffix, None
 
-    # tokens per character assumed when the head is too short to measure (English prose
-    # runs at about 0.25 with byte-level BPE vocabularies of 150k tokens, code and CJK higher)
-    DEFAULT_TOKENS_PER_CHAR = 0.3
+    # tokens per UTF-8 byte assumed when the head is too short to measure (English prose
+    # runs at about 0.25 with byte-level BPE vocabularies of 150k tokens, code higher)
+    DEFAULT_TOKENS_PER_BYTE = 0.3
 
-    def _density(self, ids: list[int], chars: int) -> float:
-        """Tokens per character of a head, for the rest's estimated length."""
-        return len(ids) / chars if chars >= 256 else self.DEFAULT_TOKENS_PER_CHAR
+    def _density(self, ids: list[int], nbytes: int) -> float:
+        """Tokens per UTF-8 byte of a head, for the rest's estimated length."""
+        return len(ids) / nbytes if nbytes >= 256 else self.DEFAULT_TOKENS_PER_BYTE
 
     def _encode_parts(self, parts: list[str], parity: int, out: list[int]) -> None:
         """Append the ids of split ``parts`` to ``out``; ``parts[i]`` is an added token

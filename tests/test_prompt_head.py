@@ -102,3 +102,42 @@ async def test_a_burst_is_rendered_in_arrival_order_with_the_index_answers_in_be
     await asyncio.gather(*(one(i) for i in range(8)))
     assert [i for e, i in events if e == "render"] == list(range(8))
     assert events.index(("done", 0)) < events.index(("render", 4)), events
+
+
+async def test_text_the_tokenizer_refuses_past_a_held_head_is_routed_by_load(
+        model_dir, replicas):
+    """Found by a break test: a lone surrogate after the head of a prompt whose head a
+    replica held raised TypeError while the rest was encoded (a 500). It is routed by load,
+    as when rendering fails, and the engine answers with its own 400."""
+    settings = Settings(model=str(model_dir), index_namespace=f"head-{uuid.uuid4().hex[:6]}")
+    ingress = IngressCore(settings, engine_handle=None)
+    doc = make_text(20_000, "surrogate")
+    clean = await ingress.prepare(COMPLETIONS_PATH, _body(COMPLETIONS_PATH, doc, "?"))
+    await state.make_index(settings).record_predicted("replica-a", clean.block_hashes, 60.0)
+    raw = ('{"model": "m", "prompt": "%s\\ud800 %s"}' % (doc[:30_000], doc[30_000:])).encode()
+    req = await ingress.prepare(COMPLETIONS_PATH, raw)
+    assert req.block_hashes == [] and req.prompt_tokens > 0
+
+
+def test_the_rests_length_is_estimated_per_byte(model_dir):
+    """An English head and a rest of another kind: the estimate, per UTF-8 byte of the
+    head, is within 50 % for CJK, code and base64 (per character it was 80 % low on CJK,
+    whose characters take 3 bytes and several tokens of a byte-level vocabulary)."""
+    import base64
+    import random
+
+    from router.prompts import PromptRenderer
+    renderer = PromptRenderer(str(model_dir))
+    rng = random.Random(0)
+    rests = {"cjk": "".join(chr(rng.randrange(0x4E00, 0x9FFF)) for _ in range(6000)),
+             "code": "\n".join(f"def f{i}(x, y):\n    return {{'k{i}': [x * {i}, y - {i}]}}"
+                               for i in range(400)),
+             "base64": base64.b64encode(rng.randbytes(15_000)).decode()}
+    for kind, rest in rests.items():
+        text = make_text(2000, "english") + " " + rest
+        info = renderer.render(COMPLETIONS_PATH, {"model": "m", "prompt": text}, head_chars=2048)
+        assert info.rest is not None, kind
+        estimate = info.num_tokens
+        info.finish()
+        assert abs(estimate - len(info.token_ids)) <= 0.5 * len(info.token_ids), \
+            (kind, estimate, len(info.token_ids))

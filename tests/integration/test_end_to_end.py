@@ -195,3 +195,28 @@ def test_a_long_new_document_is_routed_on_its_head_and_followed_up_exactly(servi
     wait_until(lambda: long_prompts() == {"head": before["head"] + 1,
                                           "whole": before["whole"] + 1}, 60, 2.0,
                "router_long_prompts_total: one head, one whole")
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_a_499_not_a_500(service):
+    """Found by a break test: a client that disconnected while its body was still being
+    uploaded was logged as an unexpected error and counted as a 500."""
+    import socket
+    from urllib.parse import urlparse
+
+    def by_status():
+        out = {}
+        for line in service.client.get("/metrics").text.splitlines():
+            if line.startswith("router_requests_total{") and 'route="chat"' in line:
+                status = line.split('status="', 1)[1].split('"', 1)[0]
+                out[status] = out.get(status, 0) + float(line.rsplit(" ", 1)[1])
+        return out
+    before = by_status()
+    url = urlparse(service.url)
+    with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+                     b'{"model": "tiny-qwen2", "messages": [')
+        time.sleep(1.0)  # the ingress is reading the body
+    after = wait_until(lambda: (lambda s: s if s.get("499", 0) > before.get("499", 0)
+                                else None)(by_status()), 60, 2.0, "a 499 in router_requests_total")
+    assert after.get("500", 0) == before.get("500", 0), (before, after)
