@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.requests import ClientDisconnect
 from ray import serve
+from ray.exceptions import TaskCancelledError
 from ray.serve.config import RequestRouterConfig
 
 from router import state
@@ -79,9 +80,11 @@ class Ingress:
         except OpenAIError as exc:
             metrics.inc("requests", 1, tags={"route": route, "status": str(exc.status)})
             return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
-        except (ClientDisconnect, asyncio.CancelledError) as exc:
+        except (ClientDisconnect, TaskCancelledError, asyncio.CancelledError) as exc:
             # the client left (while sending its body, or before the answer started):
-            # counted as nginx's 499 "client closed request", not as a router error
+            # counted as nginx's 499 "client closed request", not as a router error. Serve
+            # shows it as any of the three, depending on when its proxy saw the disconnect
+            # (TaskCancelledError: from the body's receive call the proxy cancelled).
             metrics.inc("requests", 1, tags={"route": route, "status": "499"})
             logger.info("client closed %s before the answer started", path)
             if isinstance(exc, asyncio.CancelledError):
