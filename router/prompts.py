@@ -100,8 +100,7 @@ class PromptRest:
         head's ids)."""
         out: list[int] = []
         if self.chunks:
-            out = [i for enc in self.encoder._backend.encode_batch(
-                self.chunks, add_special_tokens=False) for i in enc.ids]
+            out = self.encoder._encode_chunks(self.chunks)
             if self.crossing is not None:
                 piece, head_ids = self.crossing
                 self.encoder._store(piece, head_ids + out)
@@ -238,9 +237,8 @@ class SegmentEncoder:
                   "日本語 テキスト, emoji 🙂 a\u0301b; it'LL be   fine.\n\nNew para: x² y, "
                   "A_b c-d 'quoted' words\tand\r\nlines ") * 40
         chunks = self._chunks(sample, 37)
-        return chunks is not None and [
-            i for c in self._backend.encode_batch(chunks, add_special_tokens=False)
-            for i in c.ids] == self._backend.encode(sample, add_special_tokens=False).ids
+        return chunks is not None and self._encode_chunks(chunks) == \
+            self._backend.encode(sample, add_special_tokens=False).ids
 
     @staticmethod
     def _chunks(text: str, size: int) -> list[str] | None:
@@ -267,8 +265,12 @@ class SegmentEncoder:
         chunks = None
         if self.chunked and len(piece) > 2 * self.chunk_chars:
             chunks = self._chunks(piece, self.chunk_chars)
-        return [i for enc in self._backend.encode_batch(chunks or [piece],
-                                                        add_special_tokens=False)
+        return self._encode_chunks(chunks or [piece])
+
+    def _encode_chunks(self, chunks: list[str]) -> list[int]:
+        """The concatenated ids of ``chunks``, encoded by ``encode_batch`` on the tokenizer's
+        thread pool, without the GIL."""
+        return [i for enc in self._backend.encode_batch(chunks, add_special_tokens=False)
                 for i in enc.ids]
 
     def encode(self, text: str) -> list[int]:
@@ -292,11 +294,11 @@ class SegmentEncoder:
         texts, and when long pieces are not cut for this tokenizer.
 
         Args:
-            head_chars: characters to encode at least (> 0).
+            head_chars: characters to encode at least (0: the whole text, no rest).
             suffix: ids that follow the text (kept for after the rest).
         """
         suffix = list(suffix or [])
-        if not self.chunked or len(text) <= head_chars:
+        if head_chars <= 0 or not self.chunked or len(text) <= head_chars:
             return self.encode(text) + suffix, None
         parts = self._split.split(text)
         out: list[int] = []
@@ -333,8 +335,7 @@ class SegmentEncoder:
                 used += len(chunks[n])
                 nbytes += utf8_len(chunks[n])
                 n += 1
-            head = [i for enc in self._backend.encode_batch(chunks[:n], add_special_tokens=False)
-                    for i in enc.ids] if n else []
+            head = self._encode_chunks(chunks[:n]) if n else []
             out.extend(head)
             if n == len(chunks):  # the piece ended the head: cached like any other
                 self._store(piece, head)
@@ -448,9 +449,10 @@ class PromptRenderer:
         With ``head_chars`` > 0, a long text prompt is encoded up to about that many
         characters and the rest is left in ``PromptInfo.rest`` (``finish()`` encodes it):
         the router needs the rest only when some replica holds the whole head
-        (``SegmentEncoder.encode_head``). Not cacheable (routed by load) when the engine would not see the prompt the router
-        renders: ``truncate_prompt_tokens`` (the engine drops tokens, by rules that vary
-        with its version and tokenizer) or a chat template sent with the request.
+        (``SegmentEncoder.encode_head``). Not cacheable (routed by load) when the engine
+        would not see the prompt the router renders: ``truncate_prompt_tokens`` (the engine
+        drops tokens, by rules that vary with its version and tokenizer) or a chat template
+        sent with the request.
         """
         if body.get("truncate_prompt_tokens") is not None:
             return PromptInfo(cacheable=False, reason="the engine truncates the prompt")
@@ -509,8 +511,7 @@ class PromptRenderer:
                 text = self.tokenizer.apply_chat_template(
                     conversation, tools=tools if tools else None, tokenize=False, **kwargs)
             # outside the lock (see SegmentEncoder.encode)
-            ids, rest = self.segments.encode_head(text, head_chars) if head_chars \
-                else (self.segments.encode(text), None)
+            ids, rest = self.segments.encode_head(text, head_chars)
             return PromptInfo(token_ids=list(map(int, ids)), rest=rest)
         else:
             with self._lock:
@@ -530,8 +531,7 @@ class PromptRenderer:
             if self._special_affixes is not None:
                 # piecewise and outside the lock, like chats: a huge prompt holds up no one
                 before, after = self._special_affixes if add_special else ([], [])
-                ids, rest = self.segments.encode_head(prompt, head_chars, after) if head_chars \
-                    else (list(self.segments.encode(prompt)) + after, None)
+                ids, rest = self.segments.encode_head(prompt, head_chars, after)
                 return PromptInfo(token_ids=before + list(map(int, ids)), rest=rest)
             else:
                 with self._lock:
