@@ -172,6 +172,11 @@ class Settings(BaseSettings):
         return HashSettings(block_size=self.block_size, hash_algo=self.hash_algo,
                             seed=self.hash_seed)
 
+    def policy_for(self, requested: str | None) -> str:
+        """The policy a request runs: its own (``x-routing-policy``) when
+        ``allow_policy_override`` and it asks for one, else the configured ``policy``."""
+        return requested if requested and self.allow_policy_override else self.policy
+
     def policy_kwargs(self, policy: str) -> dict[str, Any]:
         """Keyword arguments of ``router.policies.make_policy`` for ``policy`` from these
         settings (only ``prefix_aware`` takes any: its ``load_factor``)."""

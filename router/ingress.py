@@ -176,12 +176,17 @@ class IngressCore:
         start = req.predicted_cached_tokens.get(replica, 0) // self.settings.block_size
         if start >= len(req.block_hashes):
             return
-        if self._index is None:
-            self._index = state.make_index(self.settings)
         try:
-            await self._index.forget_predicted(replica, req.block_hashes[start:])
+            await self._prefix_index().forget_predicted(replica, req.block_hashes[start:])
         except IndexUnavailable:
             metrics.inc("index_errors", tags={"op": "forget_predicted"})
+
+    def _prefix_index(self):
+        """The index, made on first use: on the ingress's own loop (a Redis client belongs
+        to the loop that made it)."""
+        if self._index is None:
+            self._index = state.make_index(self.settings)
+        return self._index
 
     def _count_inflight(self, replica: str, delta: int) -> None:
         n = self.inflight.get(replica, 0) + delta
@@ -244,7 +249,7 @@ class IngressCore:
         replica only if that replica holds every block of the head (a match is a prefix), so
         the rest is encoded only then: one index lookup of the head decides. Otherwise the
         request is routed on the head's hashes (the same decision) with the prompt's length
-        estimated from the head's tokens per character, and predicted entries are written
+        estimated from the head's tokens per UTF-8 byte, and predicted entries are written
         for the head only (a burst sharing the new prefix still finds them and lands
         together; the engine's events then bring every block).
 
@@ -253,9 +258,8 @@ class IngressCore:
         Raises:
             OpenAIError: 400 for malformed bodies.
         """
-        effective = policy if (policy and self.settings.allow_policy_override) \
-            else self.settings.policy
-        head = self.settings.route_head_chars if effective == "prefix_aware" else 0
+        prefix_aware = self.settings.policy_for(policy) == "prefix_aware"
+        head = self.settings.route_head_chars if prefix_aware else 0
         inline = _RENDER_HEAD_INLINE_MAX_BYTES if head and self.renderer.segments.chunked \
             else _RENDER_INLINE_MAX_BYTES
         if len(raw) > inline:
@@ -293,10 +297,8 @@ class IngressCore:
         replicas = state.peek("replica_ids")
         if not replicas or not head_hashes:
             return True
-        if self._index is None:
-            self._index = state.make_index(self.settings)
         try:
-            matched = await self._index.lookup(head_hashes, sorted(replicas))
+            matched = await self._prefix_index().lookup(head_hashes, sorted(replicas))
         except IndexUnavailable:
             return False
         return max(matched.values(), default=0) >= len(head_hashes)

@@ -123,9 +123,7 @@ class PrefixCacheRequestRouter(RequestRouter):
         return [[by_id[rid]] for rid in decision.ranked]
 
     def _policy_for(self, req: RoutedRequest):
-        name = req.policy if self.settings.allow_policy_override and req.policy else None
-        if name is None:
-            return self.policy
+        name = self.settings.policy_for(req.policy)
         if name not in self._policies:
             self._policies[name] = make_policy(name, rng=random.Random(),
                                                **self.settings.policy_kwargs(name))
