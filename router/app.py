@@ -109,7 +109,7 @@ class Ingress:
 
     @fastapi_app.get("/v1/models")
     async def models(self) -> Response:
-        if state.peek("replica_count") == 0:
+        if state.replica_count() == 0:
             err = no_replicas()
             return JSONResponse(err.body(), status_code=503, headers=err.headers)
         # A replica whose engine is down (restarting) fails this call: ask again, Serve
@@ -126,7 +126,7 @@ class Ingress:
 
     @fastapi_app.get("/health")
     async def health(self) -> Response:
-        n = state.peek("replica_count")
+        n = state.replica_count()
         ok = n is None or n > 0
         return JSONResponse({"status": "ok" if ok else "no replicas", "replicas": n},
                             status_code=200 if ok else 503)

@@ -195,7 +195,7 @@ class IngressCore:
 
     # --- helpers -----------------------------------------------------------------------
     def _replica_count(self) -> int | None:
-        return state.peek("replica_count")
+        return state.replica_count()
 
     def _prepare(self, path: str, raw: bytes,
                  head_chars: int = 0) -> tuple[RoutedRequest, PromptInfo]:

@@ -45,7 +45,6 @@ class PrefixCacheRequestRouter(RequestRouter):
         self._core: RoutingCore | None = None
         self._known: set[str] = set()
         self._feeds: dict = {}
-        state.put("replica_count", None)
         state.put("replica_ids", None)
 
     def _routing_core(self) -> RoutingCore:
@@ -155,7 +154,6 @@ class PrefixCacheRequestRouter(RequestRouter):
     def update_replicas(self, replicas: List[RunningReplica]) -> None:
         super().update_replicas(replicas)
         ids = {r.replica_id.unique_id for r in replicas}
-        state.put("replica_count", len(ids))
         state.put("replica_ids", frozenset(ids))
         state.put("request_router", self)
         gone = self._known - ids

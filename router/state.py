@@ -38,6 +38,13 @@ def put(key: str, obj: Any) -> None:
         _objects[key] = obj
 
 
+def replica_count() -> int | None:
+    """Engine replicas the Ray router knows (``replica_ids``, put by
+    ``router.request_router``), or None before it has heard of any replica set."""
+    ids = peek("replica_ids")
+    return None if ids is None else len(ids)
+
+
 def redis_connections(settings: Settings):
     """The process's Redis connections for ``settings`` (one client per event loop)."""
     from router.index.redis_index import RedisConnections
