@@ -66,6 +66,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def metric_sum(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples called ``name`` in Prometheus exposition ``text`` whose labels
+    include ``labels`` (e.g. a counter over every replica and process)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
 def wait_until(predicate, timeout_s: float, interval_s: float = 0.2, what: str = "condition"):
     """Poll ``predicate`` until it returns truthy; fail after ``timeout_s`` (generous)."""
     deadline = time.monotonic() + timeout_s

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from tests.conftest import BLOCK_SIZE, make_text, wait_until
+from tests.conftest import BLOCK_SIZE, make_text, metric_sum, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -87,9 +87,7 @@ def test_metrics_endpoint_exports_router_counters(service, tokenizer):
 
 def _engine_metric(url: str, name: str) -> float:
     import httpx
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{"))
+    return metric_sum(httpx.get(url + "/metrics", timeout=10).text, name)
 
 
 def test_client_disconnect_aborts_the_engine_request(service, tokenizer):
@@ -126,13 +124,11 @@ def test_router_hit_counters_match_the_engines_own(service, tokenizer):
 
     def totals():
         text = service.client.get("/metrics").text
-        get = lambda n: sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()  # noqa
-                            if x.startswith(n + "{"))
-        return (get("router_engine_cached_tokens_total"), get("router_prompt_tokens_total"),
-                get("router_cached_tokens_prediction_error_count"),
-                sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
-                    if x.startswith("router_cached_tokens_prediction_error_count{")
-                    and 'direction="exact"' in x))
+        return (metric_sum(text, "router_engine_cached_tokens_total"),
+                metric_sum(text, "router_prompt_tokens_total"),
+                metric_sum(text, "router_cached_tokens_prediction_error_count"),
+                metric_sum(text, "router_cached_tokens_prediction_error_count",
+                           direction="exact"))
 
     def engine_totals():
         return (sum(_engine_metric(u, "vllm:prefix_cache_hits_total") for u in urls),
@@ -171,8 +167,7 @@ def test_a_long_new_document_is_routed_on_its_head_and_followed_up_exactly(servi
     cached tokens the engine reports. ``server-timing`` carries the router's own time."""
     def long_prompts():
         text = service.client.get("/metrics").text
-        return {t: sum(float(x.rsplit(" ", 1)[1]) for x in text.splitlines()
-                       if x.startswith("router_long_prompts_total{") and f'"{t}"' in x)
+        return {t: metric_sum(text, "router_long_prompts_total", tokenized=t)
                 for t in ("head", "whole")}
     before = long_prompts()
     doc = make_text(6000, "e2e-long-doc", tokenizer)
@@ -204,12 +199,9 @@ def test_a_client_that_leaves_while_sending_its_body_is_a_499_not_a_500(service)
     from urllib.parse import urlparse
 
     def by_status():
-        out = {}
-        for line in service.client.get("/metrics").text.splitlines():
-            if line.startswith("router_requests_total{") and 'route="chat"' in line:
-                status = line.split('status="', 1)[1].split('"', 1)[0]
-                out[status] = out.get(status, 0) + float(line.rsplit(" ", 1)[1])
-        return out
+        text = service.client.get("/metrics").text
+        return {s: metric_sum(text, "router_requests_total", route="chat", status=s)
+                for s in ("499", "500")}
     before = by_status()
     url = urlparse(service.url)
     with socket.create_connection((url.hostname, url.port), timeout=10) as sock:

@@ -14,7 +14,8 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import OwnRedis, assert_no_load_left, make_text, run_app, wait_until
+from tests.conftest import (OwnRedis, assert_no_load_left, make_text, metric_sum, run_app,
+                            wait_until)
 
 pytestmark = pytest.mark.integration
 
@@ -584,8 +585,7 @@ def test_routing_never_calls_a_replicas_tokenize(faults_app, tokenizer):
 
 
 def _requests_total(text: str) -> float:
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("router_requests_total{"))
+    return metric_sum(text, "router_requests_total")
 
 
 def test_metrics_of_three_ingress_processes_add_up(faults_app):
