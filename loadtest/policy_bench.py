@@ -13,7 +13,7 @@ policy) under ``loadtest/results/``, and the tables to ``docs/benchmarks.md``::
         --policies prefix_aware:load_factor=1.25 prefix_aware:load_factor=inf \
         --section "Load bound trade-off"           # a policy with other parameters
 
-A policy is named as in ``router.policies.make_policy``, optionally followed by
+A policy is named as in ``router.policy.make_policy``, optionally followed by
 ``:key=value,...`` keyword arguments (numbers; ``inf`` allowed).
 
 Engines follow the H200 profile of a Qwen2.5-7B-shaped model (``replicas/sim/profiles``):
@@ -28,7 +28,7 @@ import json
 import time
 from pathlib import Path
 
-from loadtest.multiturn import RESULTS, write_benchmark_doc
+from loadtest.report import RESULTS, write_benchmark_doc
 from loadtest.sim import SimConfig, simulate
 from loadtest.workloads import WORKLOADS
 from replicas.sim.engine import EngineConfig

@@ -3,7 +3,7 @@
 A discrete-event loop on a virtual clock (``router.clock.ManualClock``): request arrivals
 from a workload, one ``replicas.sim.engine.SimEngine`` per replica stepping with its
 step-time model, KV events applied to the router's in-process index after
-``event_delay_s``, and every routing decision made by ``router.routing.RoutingCore`` with the
+``event_delay_s``, and every routing decision made by ``router.routing.core.RoutingCore`` with the
 policy under test (ours, the baselines or an anchor's re-implementation). The same seed gives
 the same numbers. Pure-decode stretches are advanced in bulk (``SimEngine.decode_run``,
 checked against the step-by-step model in ``tests/test_sim_engine.py``).
@@ -29,22 +29,27 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from loadtest.report import percentile
 from replicas.sim.engine import EngineConfig, SimEngine, SimRequest
 from replicas.sim.step_model import StepTimeModel
 from router.clock import ManualClock
 from router.config import Settings
 from router.hashing import BlockHasher, HashSettings, to_block_hash
 from router.index.memory import MemoryPrefixIndex
-from router.load import MemoryLoadTracker
-from router.policies import make_policy
-from router.routing import ReplicaInfo, RoutingCore
+from router.load.memory import MemoryLoadTracker
+from router.policy import make_policy, max_cached_blocks
+from router.routing.core import RoutingCore
+from router.routing.replica import ReplicaInfo, ReplicaMetadata, RoutingStats
+
+_NO_METADATA = ReplicaMetadata()
 
 
 @dataclass
 class WorkloadRequest:
     """One request of a workload: arrival time (s), prompt tokens, output tokens, and the
     text the character-based anchors match on (one character per token: the structure of
-    shared prefixes is the same in characters as in tokens)."""
+    shared prefixes is the same in characters as in tokens). ``replica`` pins the request to
+    a replica (``r0``...): a recorded run's routing replayed, the policy bypassed."""
 
     arrival_s: float
     token_ids: list[int]
@@ -53,6 +58,9 @@ class WorkloadRequest:
     output_plan: list[int] | None = None
     session: str | None = None
     block_hashes: list[int] = field(default_factory=list)
+    replica: str | None = None
+    digests: list[bytes] = field(default_factory=list)
+    cached_block_hashes: list[int] = field(default_factory=list)
 
     @functools.cached_property
     def text(self) -> str:
@@ -67,7 +75,13 @@ def tokens_to_text(token_ids: Sequence[int]) -> str:
 @dataclass
 class SimConfig:
     """One simulation run: ``replicas`` engines of ``engine`` capacity and ``step_model``
-    speed, routed by ``policy``."""
+    speed, routed by ``policy``.
+
+    ``engines_per_gpu``: engines ``r0..r{k-1}``, ``r{k}..`` share one GPU each. Engines on
+    one GPU time-share it: a step lasts its modelled time times the number of that GPU's
+    engines with work when it starts (a GPU runs one engine's kernels at a time; checked
+    against 4 vLLM engines on one H200: ITL 21.1 ms measured, 20.5 modelled).
+    """
 
     policy: str
     replicas: int = 8
@@ -78,6 +92,7 @@ class SimConfig:
     sample_period_s: float = 0.1
     predicted_ttl_s: float = 15.0
     policy_kwargs: dict = field(default_factory=dict)
+    engines_per_gpu: int = 1
 
 
 @dataclass
@@ -97,11 +112,11 @@ class SimResult:
     decision_s: list[float]
     per_replica_requests: dict[str, int]
     load_samples: list[tuple[float, list[int]]]
+    by_request: dict[str, tuple[float, int]] = field(default_factory=dict)
 
     def summary(self) -> dict:
         def pct(xs, p):
-            xs = sorted(xs)
-            return xs[min(int(p * len(xs)), len(xs) - 1)] if xs else float("nan")
+            return percentile(xs, p, float("nan"))
         return {
             "policy": self.policy, "requests": self.requests,
             "hit_rate": self.cached_tokens / max(self.prompt_tokens, 1),
@@ -123,23 +138,55 @@ def ideal_hits(requests: Sequence[WorkloadRequest], block_size: int,
                capacity_blocks: int | None) -> int:
     """Prompt tokens a single cache would serve: unlimited (``capacity_blocks`` None) or
     an LRU of ``capacity_blocks`` blocks, fed every request's blocks in arrival order (the
-    same whole-block, ``prompt - 1`` cap as vLLM)."""
+    same whole-block, ``prompt - 1`` cap as vLLM), its answer's blocks included when the
+    answer is known (``output_plan``: an engine caches the blocks it generates, and a
+    conversation's next turn holds them)."""
     lru: OrderedDict[int, None] = OrderedDict()
     hits = 0
     for r in sorted(requests, key=lambda r: r.arrival_s):
         hs = r.block_hashes
-        cap = (len(r.token_ids) - 1) // block_size
+        cap = max_cached_blocks(len(r.token_ids), block_size)
         n = 0
         while n < min(len(hs), cap) and hs[n] in lru:
             n += 1
         hits += n * block_size
-        for h in hs:
+        for h in r.cached_block_hashes or hs:
             lru[h] = None
             lru.move_to_end(h)
         if capacity_blocks is not None:
             while len(lru) > capacity_blocks:
                 lru.popitem(last=False)
     return hits
+
+
+@dataclass
+class _Run:
+    """The state of one ``Simulation.run``: the event heap, the arrivals read so far, and
+    what is measured."""
+
+    arrivals: list
+    per_replica: dict[str, int]
+    progress: Callable[[int], None] | None = None
+    heap: list = field(default_factory=list)
+    seq: int = 0
+    next_arrival: int = 0
+    ttft_s: list[float] = field(default_factory=list)
+    e2e_s: list[float] = field(default_factory=list)
+    decision_s: list[float] = field(default_factory=list)
+    by_request: dict[str, tuple[float, int]] = field(default_factory=dict)  # "q<i>": TTFT, cached
+    meta: dict[str, tuple] = field(default_factory=dict)  # in flight: replica, arrival, blocks
+    samples: list[tuple[float, list[int]]] = field(default_factory=list)
+    cached: int = 0
+    prompt: int = 0
+    out_tokens: int = 0
+
+    def push(self, t: float, kind: str, payload) -> None:
+        heapq.heappush(self.heap, (t, self.seq, kind, payload))
+        self.seq += 1
+
+    def next_arrival_s(self) -> float:
+        return self.arrivals[self.next_arrival].arrival_s \
+            if self.next_arrival < len(self.arrivals) else float("inf")
 
 
 class Simulation:
@@ -166,110 +213,135 @@ class Simulation:
         self.inflight = {n: 0 for n in self.names}
         self.active_blocks = {n: 0 for n in self.names}
 
+    def _gpu_share(self, replica: str) -> int:
+        """Engines with work on ``replica``'s GPU (itself included): its step's slowdown."""
+        k = max(self.cfg.engines_per_gpu, 1)
+        g = self.names.index(replica) // k
+        return max(sum(1 for n in self.names[g * k:(g + 1) * k] if self.engines[n].has_work), 1)
+
     def hash_workload(self, requests: Sequence[WorkloadRequest]) -> None:
+        """Each request's block hashes, with the full digests they are cut from: the engine
+        chains the blocks it generates onto the prompt's last digest, so an answer's blocks
+        match the next turn's prompt only when that chain is the same as hashing it."""
         for r in requests:
             if not r.block_hashes:
-                r.block_hashes = self.hasher.block_hashes(r.token_ids)
+                r.digests = self.hasher.digests(r.token_ids)
+                r.block_hashes = [to_block_hash(d) for d in r.digests]
+                if r.output_plan:  # what the engine holds after it: prompt and answer
+                    whole = list(r.token_ids) + list(r.output_plan)
+                    r.cached_block_hashes = self.hasher.block_hashes(whole[:-1])
 
     async def run(self, requests: Sequence[WorkloadRequest],
                   progress: Callable[[int], None] | None = None) -> SimResult:
+        """Replay ``requests`` in virtual time to the last completion.
+
+        Events are arrivals (read in order beside the heap), ``step`` (an engine starts its
+        next step, or a run of pure decode steps up to the next arrival), ``step_end`` (its
+        results: first tokens, finished requests, KV events) and ``events`` (KV events
+        reaching the index ``event_delay_s`` later); each kind has its handler.
+        """
         cfg = self.cfg
         self.hash_workload(requests)
-        heap: list = []
-        seq = 0
-
-        def push(t, kind, payload):
-            nonlocal seq
-            heapq.heappush(heap, (t, seq, kind, payload))
-            seq += 1
-
-        arrivals = sorted(requests, key=lambda r: r.arrival_s)
-        next_arrival = 0  # arrivals are read in order, outside the heap
-        ttft, e2e, decision = [], [], []
-        meta: dict[str, tuple] = {}
-        per_replica = {n: 0 for n in self.names}
-        cached = prompt = out_tokens = 0
-        samples: list[tuple[float, list[int]]] = []
-        next_sample = arrivals[0].arrival_s if arrivals else 0.0
+        run = _Run(arrivals=sorted(requests, key=lambda r: r.arrival_s),
+                   per_replica={n: 0 for n in self.names}, progress=progress)
+        handlers = {"arrive": self._on_arrive, "step": self._on_step,
+                    "step_end": self._on_step_end, "events": self._on_events}
+        next_sample = run.arrivals[0].arrival_s if run.arrivals else 0.0
         last_t = 0.0
-        bs = cfg.engine.block_size
-
-        while heap or next_arrival < len(arrivals):
-            t_arr = arrivals[next_arrival].arrival_s if next_arrival < len(arrivals) \
-                else float("inf")
-            if heap and heap[0][0] <= t_arr:
-                t, _, kind, payload = heapq.heappop(heap)
+        while run.heap or run.next_arrival < len(run.arrivals):
+            t_arr = run.next_arrival_s()
+            if run.heap and run.heap[0][0] <= t_arr:
+                t, _, kind, payload = heapq.heappop(run.heap)
             else:
-                t, kind, payload = t_arr, "arrive", (next_arrival, arrivals[next_arrival])
-                next_arrival += 1
+                t, kind = t_arr, "arrive"
+                payload = (run.next_arrival, run.arrivals[run.next_arrival])
+                run.next_arrival += 1
             # in-flight counts change only at events: sample the state before this one
             while next_sample <= t:
-                samples.append((next_sample, [self.inflight[n] for n in self.names]))
+                run.samples.append((next_sample, [self.inflight[n] for n in self.names]))
                 next_sample += cfg.sample_period_s
             self.clock.t = t
             last_t = max(last_t, t)
-            if kind == "arrive":
-                i, r = payload
-                rid = f"q{i}"
-                infos = [ReplicaInfo(n, {}, {"waiting": self.engines[n].num_waiting,
-                                             "kv_usage_frac": self.engines[n].pool.usage,
-                                             "active_blocks": self.active_blocks[n]})
-                         for n in self.names]
-                t0 = time.perf_counter()
-                d = await self.core.decide(rid, len(r.token_ids), r.block_hashes, infos,
-                                           text=r.text if self.policy.name in _TEXT else "",
-                                           first_user_text=r.first_user_text)
-                decision.append(time.perf_counter() - t0)
-                rep = d.replica
-                per_replica[rep] += 1
-                self.inflight[rep] += 1
-                nb = -(-len(r.token_ids) // bs)
-                self.active_blocks[rep] += nb
-                sreq = SimRequest(rid, r.token_ids, max(r.output_tokens, 1),
-                                  block_hashes=list(r.block_hashes), arrival_s=t,
-                                  output_plan=r.output_plan)
-                meta[rid] = (rep, t, nb)
-                self.engines[rep].add_request(sreq)
-                if not self.busy[rep]:
-                    self.busy[rep] = True
-                    push(t, "step", rep)
-            elif kind == "step":
-                rep = payload
-                eng = self.engines[rep]
-                if not eng.has_work:
-                    self.busy[rep] = False
-                    continue
-                # Only an arrival can change this engine's batch before its next step: run
-                # pure decode in bulk up to the next arrival.
-                t_next = arrivals[next_arrival].arrival_s if next_arrival < len(arrivals) \
-                    else float("inf")
-                res = eng.decode_run(1_000_000, t_next - t) or eng.step()
-                push(t + max(res.duration_s, 1e-6), "step_end", (rep, res))
-            elif kind == "step_end":
-                rep, res = payload
-                eng = self.engines[rep]
-                for req in res.first_tokens:
-                    ttft.append(t - req.arrival_s)
-                    await self.load.prefill_done(req.request_id)
-                    cached += max(req.num_cached_tokens, 0)
-                    prompt += req.prompt_tokens
-                out_tokens += len(res.new_tokens)
-                for req in res.finished:
-                    e2e.append(t - req.arrival_s)
-                    await self.load.release(req.request_id)
-                    _, _, nb = meta.pop(req.request_id)
-                    self.inflight[rep] -= 1
-                    self.active_blocks[rep] -= nb
-                    if progress:
-                        progress(1)
-                events = eng.take_events()
-                if events:
-                    push(t + cfg.event_delay_s, "events", (rep, events))
-                push(t, "step", rep)
-            elif kind == "events":
-                rep, events = payload
-                self.index.apply_events_now(rep, events)
+            await handlers[kind](run, t, payload)
+        return self._result(run, requests, last_t)
 
+    async def _on_arrive(self, run: "_Run", t: float, payload) -> None:
+        """A request arrives: route it (or replay its recorded replica) and queue it."""
+        i, r = payload
+        rid = f"q{i}"
+        infos = [ReplicaInfo(n, _NO_METADATA, RoutingStats(
+                     waiting=self.engines[n].num_waiting, kv_usage_frac=self.engines[n].pool.usage,
+                     active_blocks=self.active_blocks[n])) for n in self.names]
+        t0 = time.perf_counter()
+        if r.replica is not None:  # a recorded run's routing, replayed
+            rep = r.replica
+            await self.load.reserve(rid, rep, len(r.token_ids))
+        else:
+            d = await self.core.decide(rid, len(r.token_ids), r.block_hashes, infos,
+                                       text=r.text if self.policy.uses_text else "",
+                                       first_user_text=r.first_user_text)
+            rep = d.replica
+        run.decision_s.append(time.perf_counter() - t0)
+        run.per_replica[rep] += 1
+        self.inflight[rep] += 1
+        nb = -(-len(r.token_ids) // self.cfg.engine.block_size)
+        self.active_blocks[rep] += nb
+        sreq = SimRequest(rid, r.token_ids, max(r.output_tokens, 1),
+                          block_hashes=list(r.block_hashes), arrival_s=t,
+                          output_plan=r.output_plan, digests=list(r.digests))
+        run.meta[rid] = (rep, t, nb)
+        self.engines[rep].add_request(sreq)
+        if not self.busy[rep]:
+            self.busy[rep] = True
+            run.push(t, "step", rep)
+
+    async def _on_step(self, run: "_Run", t: float, rep: str) -> None:
+        """Engine ``rep`` starts a step (or goes idle)."""
+        eng = self.engines[rep]
+        if not eng.has_work:
+            self.busy[rep] = False
+            return
+        # Only an arrival can change this engine's batch before its next step: run pure
+        # decode in bulk up to the next arrival.
+        share = self._gpu_share(rep)
+        res = eng.decode_run(1_000_000, (run.next_arrival_s() - t) / share) or eng.step()
+        run.push(t + max(res.duration_s * share, 1e-6), "step_end", (rep, res))
+
+    async def _on_step_end(self, run: "_Run", t: float, payload) -> None:
+        """A step's results: first tokens, finished requests, and the KV events it made."""
+        rep, res = payload
+        eng = self.engines[rep]
+        for req in res.first_tokens:
+            run.ttft_s.append(t - req.arrival_s)
+            run.by_request[req.request_id] = (t - req.arrival_s, max(req.num_cached_tokens, 0))
+            await self.load.prefill_done(req.request_id)
+            run.cached += max(req.num_cached_tokens, 0)
+            run.prompt += req.prompt_tokens
+        run.out_tokens += len(res.new_tokens)
+        for req in res.finished:
+            run.e2e_s.append(t - req.arrival_s)
+            await self.load.release(req.request_id)
+            _, _, nb = run.meta.pop(req.request_id)
+            self.inflight[rep] -= 1
+            self.active_blocks[rep] -= nb
+            if run.progress:
+                run.progress(1)
+        events = eng.take_events()
+        if events:
+            run.push(t + self.cfg.event_delay_s, "events", (rep, events))
+        run.push(t, "step", rep)
+
+    async def _on_events(self, run: "_Run", t: float, payload) -> None:
+        """KV events reach the index."""
+        rep, events = payload
+        self.index.apply_events_now(rep, events)
+
+    def _result(self, run: "_Run", requests: Sequence[WorkloadRequest],
+                last_t: float) -> SimResult:
+        cfg, bs = self.cfg, self.cfg.engine.block_size
+        samples, per_replica = run.samples, run.per_replica
+        ttft, e2e, decision, by_request = run.ttft_s, run.e2e_s, run.decision_s, run.by_request
+        prompt, cached, out_tokens = run.prompt, run.cached, run.out_tokens
         last_arrival = max((r.arrival_s for r in requests), default=0.0)
         ratios = [max(v) / (sum(v) / len(v)) for t, v in samples
                   if sum(v) > 0 and t <= last_arrival]
@@ -285,11 +357,7 @@ class Simulation:
             imbalance=statistics.fmean(ratios) if ratios else 1.0,
             imbalance_with_drain=statistics.fmean(with_drain) if with_drain else 1.0,
             decision_s=decision,
-            per_replica_requests=per_replica, load_samples=samples)
-
-
-# Policies that match on characters (the others never read the text; skip building it).
-_TEXT = {"sglang_cache_aware", "ray_prefix_affinity"}
+            per_replica_requests=per_replica, load_samples=samples, by_request=by_request)
 
 
 def simulate(cfg: SimConfig, requests: Sequence[WorkloadRequest],

@@ -6,14 +6,14 @@ seed). Shapes follow their sources:
 * ``llmd_b2b``: llm-d's "B2B SaaS" capacity benchmark (llm-d/llm-d-kv-cache
   ``benchmarking/73-capacity``): 150 groups x 5 prompts, 6,000-token system prompt,
   1,200-token question, 1,000 output tokens; Poisson arrivals.
-* ``mooncake``: Mooncake FAST'25 conversation trace (``../shared/data/mooncake``, Apache-2.0):
+* ``mooncake``: Mooncake FAST'25 conversation trace (``loadtest/data/mooncake``, Apache-2.0):
   its timestamps (optionally sped up), lengths and 512-token hash blocks. Block hashes are
   taken from the trace's block ids (exact at that granularity: run it with block size 512).
 * ``multiturn``: MT-Bench questions (FastChat, Apache-2.0) as growing multi-turn chats of many
   concurrent users; each answer's tokens are part of the next turn's prompt.
 * ``control``: unique prompts, nothing shared.
 * ``bursty``: arrival times and lengths of the Azure LLM inference 2023 code trace
-  (``../shared/data/azure-llm-2023``, CC-BY-4.0) over 20 shared repository contexts.
+  (``loadtest/data/azure-llm-2023``, CC-BY-4.0) over 20 shared repository contexts.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Sequence
 from loadtest.sim import WorkloadRequest, block_tokens
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED_DATA = ROOT.parent / "shared" / "data"
+DATA = ROOT / "loadtest" / "data"
 MT_BENCH = ROOT / "loadtest" / "data" / "mt-bench" / "question.jsonl"
 
 
@@ -110,15 +110,25 @@ def multiturn(users: int = 128, turns: int = 6, rate_users: float = 4.0,
     return out
 
 
+MOONCAKE_CONVERSATION = DATA / "mooncake" / "conversation_trace.jsonl.gz"
+
+
+def mooncake_rows(path: Path | None = None) -> list[dict]:
+    """The rows of a Mooncake-format trace (``.jsonl`` or ``.jsonl.gz``; default: the
+    FAST'25 conversation trace in ``loadtest/data/mooncake``, Apache-2.0): ``timestamp``
+    (ms), ``input_length`` / ``output_length`` (tokens), ``hash_ids`` (512-token blocks)."""
+    import gzip
+    path = Path(path or MOONCAKE_CONVERSATION)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def mooncake(speed: float = 1.0, limit: int | None = None,
              path: Path | None = None) -> list[WorkloadRequest]:
     """The conversation trace at ``speed`` times its pace (block size 512)."""
-    path = path or SHARED_DATA / "mooncake" / "conversation_trace.jsonl"
     out = []
-    for i, line in enumerate(path.read_text().splitlines()):
-        if limit is not None and i >= limit:
-            break
-        row = json.loads(line)
+    for row in mooncake_rows(path)[:limit]:
         n = row["input_length"]
         ids = row["hash_ids"]
         toks = LazyBlockTokens(ids, n, 512)
@@ -178,7 +188,7 @@ def bursty(n: int | None = 2000, contexts: int = 20, seed: int = 0,
            path: Path | None = None) -> list[WorkloadRequest]:
     """Azure code-trace arrivals and lengths; prompts start with one of ``contexts`` shared
     repository contexts (up to 3,000 tokens) and end with a unique part."""
-    path = path or SHARED_DATA / "azure-llm-2023" / "AzureLLMInferenceTrace_code.csv"
+    path = path or DATA / "azure-llm-2023" / "AzureLLMInferenceTrace_code.csv"
     rng = random.Random(seed)
     ctx = [_tokens(rng, rng.randrange(1000, 3000)) for _ in range(contexts)]
     rows = list(csv.DictReader(path.open()))

@@ -2,11 +2,11 @@
 
 Each replica starts its engine (``replicas.engine``) on free local ports in ``__init__``,
 advertises its endpoints and hash settings through ``record_replica_metadata`` (read by
-the router; DESIGN.md decision 5), its measured load and prefill rate through
+the router; docs/architecture.md, decision 5), its measured load and prefill rate through
 ``record_routing_stats``, and serves ``generate``: it forwards the client's body to the
 engine untouched and streams the engine's bytes back. Closing the stream (client gone)
 closes the upstream connection, which makes vLLM abort the request
-(``with_cancellation``, ``../shared/reference/RAY_SERVE_AND_VLLM.md`` section 2.2).
+(``with_cancellation``, docs/reference.md 2.2).
 
 A dead engine is restarted up to ``Settings.engine_restarts`` times; meanwhile requests get
 a retryable 503 head (the ingress retries them on another replica), and once restarts are
@@ -16,7 +16,7 @@ exhausted ``check_health`` fails so Ray Serve replaces the replica.
 from __future__ import annotations
 
 import asyncio
-import logging
+import dataclasses
 import os
 import time
 from typing import Any, AsyncIterator
@@ -29,14 +29,13 @@ from replicas.engine_metrics import PrefillRateEstimator, parse_engine_metrics
 from router.config import Settings
 from router.hashing import BlockHasher
 from router.index.base import IndexUnavailable
-from router.kv_consumer import EventFeed
-from router.protocol import ReplicaHead, RoutedRequest
-from router.state import make_index
+from router.kv_events.feed import EventFeed
+from router.logs import get_logger
+from router.routing.replica import ReplicaMetadata, RoutingStats
+from router.serve.protocol import HOP_HEADERS, ReplicaHead, RoutedRequest
+from router.serve.state import make_index
 
-logger = logging.getLogger("ray.serve")
-
-_HOP_HEADERS = {"content-length", "transfer-encoding", "connection", "keep-alive", "date",
-                "server"}
+logger = get_logger(__name__)
 
 
 def _detect_device(setting: str) -> str:
@@ -80,7 +79,7 @@ class EngineReplica:
             timeout=httpx.Timeout(self.settings.request_timeout_s, connect=5.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
         self.rate = PrefillRateEstimator(self.settings.prefill_tokens_per_s)
-        self.stats: dict[str, Any] = {}
+        self.stats = RoutingStats()
         # With Redis this replica writes its engine's events to the shared index; without,
         # the router consumes them itself and this feed only watches liveness.
         self.index = make_index(self.settings) if self.settings.redis_url else None
@@ -93,24 +92,20 @@ class EngineReplica:
 
     # --- Serve hooks -------------------------------------------------------------------
     def record_replica_metadata(self) -> dict[str, Any]:
+        """Serve's hook: this replica's ``ReplicaMetadata``, as the plain dict Serve carries."""
         ip = _node_ip()
-        return {
-            "replica_id": self.replica_id,
-            "engine": self.settings.engine,
-            "node_ip": ip,
-            "engine_url": f"http://127.0.0.1:{self.ports.http}",
-            "kv_events_endpoint": self.ports.kv_events,
-            "kv_replay_endpoint": self.ports.kv_replay,
-            "kv_events_topic": self.replica_id,
-            "model": self.settings.served_model_name,
-            "device": self.device,
-            "hash_probe": self.hash_probe,
-            **self.settings.hash_settings.as_dict(),
-        }
+        return ReplicaMetadata(
+            replica_id=self.replica_id, engine=self.settings.engine, node_ip=ip,
+            engine_url=self.engine.advertised_url(ip), kv_events_endpoint=self.ports.kv_events,
+            kv_replay_endpoint=self.ports.kv_replay or "", kv_events_topic=self.replica_id,
+            model=self.settings.served_model_name, device=self.device,
+            hash_probe=self.hash_probe, hash_settings=self.settings.hash_settings.as_dict(),
+        ).to_dict()
 
     async def record_routing_stats(self) -> dict[str, Any]:
+        """Serve's hook: this replica's ``RoutingStats`` (the engine scraped now), as a dict."""
         await self._scrape()
-        return dict(self.stats)
+        return self.stats.to_dict()
 
     async def check_health(self) -> None:
         if self.failed:
@@ -119,25 +114,8 @@ class EngineReplica:
 
     # --- request path ------------------------------------------------------------------
     async def generate(self, req: RoutedRequest) -> AsyncIterator[Any]:
-        """Yield a ``ReplicaHead``, then the engine's response body as raw byte chunks."""
-        started = time.time()
-        bs = self.settings.block_size
-        # The engine stores a block (and publishes it) only for a request it accepted and
-        # prefilled: a 200 with a body byte, with a full block not predicted cached there.
-        # A refused or cancelled request says nothing about the event feed.
-        expects = len(req.block_hashes) > req.predicted_cached_tokens.get(self.replica_id, 0) // bs
-        accepted = prefilled = False
-        try:
-            async for item in self._generate(req):
-                if isinstance(item, ReplicaHead):
-                    accepted = item.status == 200
-                elif accepted:
-                    prefilled = True
-                yield item
-        finally:
-            self.feed.health.on_request_done(expects and prefilled, started, time.time())
-
-    async def _generate(self, req: RoutedRequest) -> AsyncIterator[Any]:
+        """Serve's handle path: yield a ``ReplicaHead``, then the engine's response body as
+        raw byte chunks."""
         predicted = req.predicted_cached_tokens.get(self.replica_id, 0)
         if not self.engine.alive():
             yield ReplicaHead(self.replica_id, 503, {}, retryable=True,
@@ -153,7 +131,7 @@ class EngineReplica:
                               predicted_cached_tokens=predicted)
             return
         try:
-            headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
+            headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}
             retryable = resp.status_code >= 500
             yield ReplicaHead(self.replica_id, resp.status_code, headers, retryable=retryable,
                               predicted_cached_tokens=predicted)
@@ -166,10 +144,24 @@ class EngineReplica:
         """This replica's id (readiness probe of the ingress)."""
         return self.replica_id
 
-    async def models(self) -> dict[str, Any]:
-        """The engine's ``GET /v1/models`` answer."""
-        r = await self.client.get("/v1/models", timeout=10.0)
-        return r.json()
+    async def forward(self, method: str, path: str,
+                      body: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
+        """One call to the engine's HTTP API (``/v1/models``, ``/tokenize`` on Serve's
+        handle path): its status, headers (hop-by-hop ones dropped) and body.
+
+        Raises:
+            RuntimeError: the engine is not running, or answered 5xx (the caller asks
+                another replica).
+        """
+        if not self.engine.alive():
+            raise RuntimeError(f"engine of replica {self.replica_id} is not running")
+        r = await self.client.request(method, path, content=body, timeout=30.0,
+                                      headers={"content-type": "application/json"})
+        if r.status_code >= 500:
+            raise RuntimeError(f"engine of replica {self.replica_id} answered "
+                               f"{r.status_code}")
+        return r.status_code, {k: v for k, v in r.headers.items()
+                               if k.lower() not in HOP_HEADERS}, r.content
 
     async def engine_info(self) -> dict[str, Any]:
         """Metadata plus the engine's process id and restarts (tests, operators)."""
@@ -182,21 +174,21 @@ class EngineReplica:
         try:
             r = await self.client.get("/metrics", timeout=2.0)
             snap = parse_engine_metrics(r.text)
+            self.feed.health.on_engine_counters(
+                snap.computed_prompt_tokens_total, snap.requests_finished_total,
+                snap.running + snap.waiting, self.settings.block_size, time.time())
         except Exception as exc:
-            self.stats["scrape_error"] = type(exc).__name__
-            self.stats["engine_alive"] = self.engine.alive()
+            self.stats = dataclasses.replace(self.stats, scrape_error=type(exc).__name__,
+                                             engine_alive=self.engine.alive())
             return
-        self.stats = {"prefill_tokens_per_s": self.rate.update(snap),
-                      "prefill_rate_measured": self.rate.measured,
-                      "kv_events_live": self.feed.health.live(time.time()),
-                      "kv_event_batches": self.feed.batches,
-                      "kv_event_gaps": self.feed.subscriber.gaps,
-                      "kv_event_lag_s": self.feed.health.lag_s(),
-                      "index_dirty": self.feed.dirty,
-                      "engine_pid": self.engine.proc.pid if self.engine.proc else None,
-                      "running": snap.running, "waiting": snap.waiting,
-                      "kv_usage_frac": snap.kv_usage_frac, "engine_alive": self.engine.alive(),
-                      "restarts": self.restarts}
+        self.stats = RoutingStats(
+            prefill_tokens_per_s=self.rate.update(snap), prefill_rate_measured=self.rate.measured,
+            kv_events_live=self.feed.health.live(time.time()), kv_event_batches=self.feed.batches,
+            kv_event_gaps=self.feed.subscriber.gaps, kv_event_lag_s=self.feed.health.lag_s(),
+            index_dirty=self.feed.dirty,
+            engine_pid=self.engine.proc.pid if self.engine.proc else None,
+            running=snap.running, waiting=snap.waiting, kv_usage_frac=snap.kv_usage_frac,
+            engine_alive=self.engine.alive(), restarts=self.restarts)
 
     async def _probe_hashes(self, timeout_s: float = 5.0) -> str:
         """Send a probe prompt and compare the engine's ``BlockStored`` hashes with ours.
@@ -240,8 +232,8 @@ class EngineReplica:
             live = self.feed.health.live(time.time())
             if not live and not silent_logged:
                 logger.error("replica %s: its engine publishes no KV events (no batch within "
-                             "%.0f s of a completed request); the router keeps predicted "
-                             "entries for it with the long TTL", self.replica_id,
+                             "%.0f s of computing a whole prompt block); the router keeps "
+                             "predicted entries for it with the long TTL", self.replica_id,
                              self.settings.kv_events_grace_s)
             silent_logged = not live
             if not self.engine.exited() or self.failed:
@@ -282,3 +274,4 @@ class EngineReplica:
                                self.replica_id)
         if getattr(self, "engine", None):
             await self.engine.stop()
+            self.engine.remove_files()

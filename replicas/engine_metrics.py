@@ -1,9 +1,9 @@
 """Load and speed of an engine, read from its Prometheus ``/metrics``.
 
 Metric names are vLLM's (``vllm/v1/metrics/loggers.py``; table in
-``../shared/reference/RAY_SERVE_AND_VLLM.md`` section 4.7). The prefill rate is measured,
+docs/reference.md 4.7). The prefill rate is measured,
 not configured: Δ(prompt tokens − cached prompt tokens) / Δ(sum of request prefill time)
-between two scrapes, i.e. uncached tokens prefilled per second of prefill (DESIGN.md
+between two scrapes, i.e. uncached tokens prefilled per second of prefill (docs/architecture.md,
 decision 4).
 """
 
@@ -27,6 +27,12 @@ class EngineSnapshot:
     prefill_time_count: float = 0.0
     prefix_cache_queries_total: float = 0.0
     prefix_cache_hits_total: float = 0.0
+    requests_finished_total: float = 0.0
+
+    @property
+    def computed_prompt_tokens_total(self) -> float:
+        """Prompt tokens the engine computed rather than took from its prefix cache."""
+        return self.prefix_cache_queries_total - self.prefix_cache_hits_total
 
 
 _GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
@@ -36,7 +42,9 @@ _SAMPLES = {"vllm:prompt_tokens_total": "prompt_tokens_total",
             "vllm:request_prefill_time_seconds_sum": "prefill_time_sum_s",
             "vllm:request_prefill_time_seconds_count": "prefill_time_count",
             "vllm:prefix_cache_queries_total": "prefix_cache_queries_total",
-            "vllm:prefix_cache_hits_total": "prefix_cache_hits_total"}
+            "vllm:prefix_cache_hits_total": "prefix_cache_hits_total",
+            # every finish reason counted there (stop, length, error, repetition) summed
+            "vllm:request_success_total": "requests_finished_total"}
 
 
 def parse_engine_metrics(text: str) -> EngineSnapshot:

@@ -7,32 +7,45 @@ YAML's ``args`` are ``Settings`` fields and override the environment and the con
 from __future__ import annotations
 
 import asyncio
-import logging
+import json
 import time
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from starlette.requests import ClientDisconnect
 from ray import serve
 from ray.exceptions import TaskCancelledError
 from ray.serve.config import RequestRouterConfig
+from starlette.requests import ClientDisconnect
 
-from router import state
 from router.config import DEFAULT_MODEL_DIR, Settings
-from router.errors import OpenAIError, no_replicas
-from router.ingress import IngressCore, build_fastapi_app
-from router.prompts import CHAT_PATH, COMPLETIONS_PATH
-from router.protocol import route_label
-from router.routing import hash_mismatches
+from router.logs import get_logger
+from router.prompt.render import CHAT_PATH, COMPLETIONS_PATH
+from router.routing.replica import ReplicaMetadata, hash_mismatches
+from router.serve import state
+from router.serve.auth import ApiKeys
+from router.serve.errors import OpenAIError, no_replicas, require_json
+from router.serve.ingress import IngressCore, build_fastapi_app
+from router.serve.protocol import route_label
+from router.serve.schemas import openapi_route
 
-logger = logging.getLogger("ray.serve")
+logger = get_logger(__name__)
 
 fastapi_app = build_fastapi_app()
 
 
+def header_value(request: Request, name: str) -> str | None:
+    """The value of header ``name``, matched without regard to case or to '-' versus '_'
+    (some clients and proxies spell ``x-session-id`` as ``X_Session_Id``)."""
+    want = name.lower().replace("_", "-")
+    for key, value in request.headers.items():
+        if key.lower().replace("_", "-") == want:
+            return value
+    return None
+
+
 async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 beyond ``limit`` bytes (FAULTS.md 10.2)."""
+    """The request body, refused with 413 beyond ``limit`` bytes (docs/fault-cases.md 10.2)."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         logger.warning("request body of %s bytes refused (limit %d)", declared, limit)
@@ -52,12 +65,14 @@ async def _read_body(request: Request, limit: int) -> bytes:
 @serve.deployment(name="Ingress")
 @serve.ingress(fastapi_app)
 class Ingress:
-    """OpenAI-compatible HTTP front door (see ``router.ingress``)."""
+    """OpenAI-compatible HTTP front door (see ``router.serve.ingress``)."""
 
     def __init__(self, settings: dict[str, Any], engine_handle):
         self.settings = Settings(**settings)
+        self.keys = ApiKeys(self.settings.api_keys_file, self.settings.api_keys)
         self.core = IngressCore(self.settings, engine_handle)
         self.engine_handle = engine_handle
+        self._status_cache: tuple[float, dict | None] | None = None
         # The handle creates its router on first use; one call makes it learn the replica
         # set now, so /health and the 503 check know the replica count before traffic.
         self._warmup = asyncio.get_event_loop().create_task(self._warm_up())
@@ -73,10 +88,16 @@ class Ingress:
         route = route_label(path)
         from router import metrics
         try:
+            tenant = self.keys.authenticate(request.headers.get("authorization"))
+            require_json(request.headers.get("content-type"))
             raw = await _read_body(request, self.settings.max_body_bytes)
-            policy = request.headers.get("x-routing-policy") \
-                if self.settings.allow_policy_override else None
-            resp = await self.core.handle(path, raw, t0, policy=policy)
+            resp = await self.core.handle(path, raw, t0,
+                                          policy=request.headers.get("x-routing-policy"),
+                                          data_path=request.headers.get("x-data-path"),
+                                          tenant=tenant, priority=request.headers.get(
+                                              self.settings.priority_header),
+                                          session=header_value(request,
+                                                               self.settings.session_header))
         except OpenAIError as exc:
             metrics.inc("requests", 1, tags={"route": route, "status": str(exc.status)})
             return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
@@ -99,42 +120,92 @@ class Ingress:
         metrics.inc("requests", 1, tags={"route": route, "status": str(resp.status_code)})
         return resp
 
-    @fastapi_app.post(CHAT_PATH)
+    @fastapi_app.post(CHAT_PATH, **openapi_route(CHAT_PATH, stream=True))
     async def chat_completions(self, request: Request) -> Response:
         return await self._infer(CHAT_PATH, request)
 
-    @fastapi_app.post(COMPLETIONS_PATH)
+    @fastapi_app.post(COMPLETIONS_PATH, **openapi_route(COMPLETIONS_PATH, stream=True))
     async def completions(self, request: Request) -> Response:
         return await self._infer(COMPLETIONS_PATH, request)
 
-    @fastapi_app.get("/v1/models")
-    async def models(self) -> Response:
+    @fastapi_app.get("/v1/models", **openapi_route(None))
+    async def models(self, request: Request) -> Response:
+        self.keys.authenticate(request.headers.get("authorization"))
+        return await self._any_engine("GET", "/v1/models")
+
+    @fastapi_app.post("/tokenize")
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's ``/tokenize``, answered by an engine (clients such as vLLM's benchmark
+        align prompts with it); the router's own routing never calls it."""
+        self.keys.authenticate(request.headers.get("authorization"))
+        require_json(request.headers.get("content-type"))
+        return await self._any_engine(
+            "POST", "/tokenize", await _read_body(request, self.settings.max_body_bytes))
+
+    @fastapi_app.post("/detokenize")
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's ``/detokenize``, answered by an engine."""
+        self.keys.authenticate(request.headers.get("authorization"))
+        require_json(request.headers.get("content-type"))
+        return await self._any_engine(
+            "POST", "/detokenize", await _read_body(request, self.settings.max_body_bytes))
+
+    async def _any_engine(self, method: str, path: str, body: bytes | None = None) -> Response:
+        """An endpoint every engine answers alike, from one that is up: 503 with no replica
+        or when none answered (JSON, never a plain-text 500)."""
         if state.replica_count() == 0:
             err = no_replicas()
             return JSONResponse(err.body(), status_code=503, headers=err.headers)
-        # A replica whose engine is down (restarting) fails this call: ask again, Serve
-        # picks a replica by load; then a JSON 503, never a plain-text 500.
-        for attempt in range(3):
-            try:
-                return JSONResponse(await self.engine_handle.models.remote())
-            except Exception as exc:
-                logger.warning("model list from a replica failed (%s: %s)",
-                               type(exc).__name__, exc)
-        err = OpenAIError(503, "no engine replica answered the model list; retry shortly",
-                          "ServiceUnavailableError", headers={"retry-after": "1"})
-        return JSONResponse(err.body(), status_code=503, headers=err.headers)
+        try:
+            status, headers, content = await self.core.any_engine(method, path, body)
+        except OpenAIError as exc:
+            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        return Response(content, status_code=status, headers=headers)
 
     @fastapi_app.get("/health")
     async def health(self) -> Response:
+        """200 while at least one engine replica can serve (503 with none), with what a
+        load balancer and an operator need to tell apart: ``ready`` once every configured
+        replica's engine is up, ``degraded`` while some are missing or down (and then Serve's
+        own status of the engine deployment, which names a replica that keeps failing its
+        start)."""
         n = state.replica_count()
-        ok = n is None or n > 0
-        return JSONResponse({"status": "ok" if ok else "no replicas", "replicas": n},
-                            status_code=200 if ok else 503)
+        alive = sum(1 for i in state.replica_infos() or ()
+                    if i.stats.engine_alive)
+        configured = self.settings.num_replicas
+        ready = n is not None and alive >= configured
+        status = ("starting" if n is None else "no replicas" if n == 0 else
+                  "ok" if ready else "degraded")
+        body: dict[str, Any] = {"status": status, "ready": ready, "replicas": n,
+                                "engines_alive": alive, "configured_replicas": configured}
+        if not ready:
+            body["engine_deployment"] = await self._engine_deployment_status()
+        return JSONResponse(body, status_code=503 if n == 0 else 200)
+
+    async def _engine_deployment_status(self) -> dict | None:
+        """The engine deployment's status as Serve's controller reports it (its state,
+        message and replica states), asked at most every 5 s; None when it cannot tell."""
+        now = time.monotonic()
+        if self._status_cache is not None and now - self._status_cache[0] < 5.0:
+            return self._status_cache[1]
+        out = None
+        try:
+            app_name = serve.get_replica_context().app_name
+            st = await asyncio.to_thread(serve.status)
+            dep = st.applications[app_name].deployments.get("EngineReplica")
+            if dep is not None:
+                out = {"status": str(dep.status), "message": dep.message,
+                       "replica_states": {str(k): v for k, v in dep.replica_states.items()}}
+        except Exception as exc:  # outside Serve (tests), or the controller is busy
+            logger.debug("engine deployment status unavailable: %s", exc)
+        self._status_cache = (now, out)
+        return out
 
     @fastapi_app.get("/replicas")
-    async def replicas(self) -> Response:
+    async def replicas(self, request: Request) -> Response:
         """The engine replicas the router sees, with what each advertises (endpoints, hash
-        settings) and its hash compatibility with this router."""
+        settings) and its hash compatibility with this router (an admin key's, with keys)."""
+        self.keys.authorize_admin(request.headers.get("authorization"))
         rr = state.peek("request_router")
         running = list(rr.curr_replicas.values()) if rr is not None else []
         hs = self.settings.hash_settings
@@ -145,11 +216,14 @@ class Ingress:
             out.append({"replica_id": r.replica_id.unique_id, "metadata": md,
                         "routing_stats": dict(r.routing_stats or {}),
                         "circuit_open": health.is_open(r.replica_id.unique_id),
-                        "hash_mismatch": hash_mismatches(hs, md)})
+                        "hash_mismatch": hash_mismatches(hs, ReplicaMetadata.from_dict(md))})
         return JSONResponse({"replicas": out})
 
     @fastapi_app.get("/metrics")
-    async def metrics_text(self) -> Response:
+    async def metrics_text(self, request: Request) -> Response:
+        """Prometheus text of every router and engine process (an admin key's, with keys:
+        Prometheus sends one with its scrape config's ``authorization``)."""
+        self.keys.authorize_admin(request.headers.get("authorization"))
         from router.metrics import scrape_cluster_metrics
         return PlainTextResponse(await scrape_cluster_metrics(),
                                  media_type="text/plain; version=0.0.4")
@@ -175,7 +249,7 @@ def engine_deployment(settings: Settings):
         health_check_timeout_s=30,
         graceful_shutdown_timeout_s=20,
         request_router_config=RequestRouterConfig(
-            request_router_class="router.request_router:PrefixCacheRequestRouter",
+            request_router_class="router.serve.request_router:PrefixCacheRequestRouter",
             request_router_kwargs={"settings": settings.dump()},
             request_routing_stats_period_s=2,
             request_routing_stats_timeout_s=5,
@@ -184,11 +258,24 @@ def engine_deployment(settings: Settings):
 
 
 def build_app(args: dict[str, Any] | None = None):
-    """Ray Serve application builder: ``args`` are ``Settings`` fields."""
+    """Ray Serve application builder: ``args`` are ``Settings`` fields.
+
+    Raises:
+        ValueError: a setting is given twice with different values (in ``args`` and in a
+            ``PREFIX_ROUTER_*`` variable or the config file): ``args`` would win silently,
+            and the operator would run something else than asked.
+    """
+    conflicts = Settings.given_twice(args or {})
+    if conflicts:
+        raise ValueError("settings given twice with different values (the application's "
+                         "args win over the environment; remove one): " + "; ".join(conflicts))
     settings = Settings(**(args or {}))
-    if settings.model == str(DEFAULT_MODEL_DIR):
+    ApiKeys(settings.api_keys_file, settings.api_keys)  # a bad keys file fails here, clearly
+    logger.info("prefix-router settings: %s", json.dumps(settings.redacted(), sort_keys=True))
+    shape = "tiny" if settings.model == str(DEFAULT_MODEL_DIR) else settings.generate_model_shape
+    if shape:
         from deploy.make_model import ensure_model
-        ensure_model(DEFAULT_MODEL_DIR)
+        ensure_model(settings.model, shape)
     engines = engine_deployment(settings).bind(settings.dump())
     return Ingress.options(
         num_replicas=settings.ingress_replicas,

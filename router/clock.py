@@ -2,7 +2,7 @@
 
 Production code uses ``SystemClock``; the virtual-time simulator (``loadtest``) and tests
 inject a ``ManualClock`` so that predicted-entry TTLs, leases and decays follow simulated
-time (DESIGN.md decision 2).
+time (docs/architecture.md, decision 2).
 """
 
 from __future__ import annotations

@@ -13,14 +13,17 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import (BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict,
-                               YamlConfigSettingsSource)
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
 
 from router.hashing import HashSettings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "tiny-qwen2"
-POLICY_NAMES = ("prefix_aware", "round_robin", "random", "least_loaded")
 
 
 class Settings(BaseSettings):
@@ -55,6 +58,21 @@ class Settings(BaseSettings):
     cpu_omp_threads_bind: str = Field(
         "nobind", description="VLLM_CPU_OMP_THREADS_BIND per CPU engine.")
     gpu_memory_utilization: float = Field(0.9, description="vLLM --gpu-memory-utilization.")
+    kv_cache_memory_gib: Optional[float] = Field(
+        None, gt=0, description="GPU: each engine's KV cache in GiB (vLLM "
+                                "--kv-cache-memory-bytes; it then skips its memory profiling). "
+                                "Set it when several engines share a GPU: started together, "
+                                "they miscount its free memory (one H200, 2 engines at 0.4 "
+                                "each: 9.3 and 23.4 GiB of KV cache instead of about 40).")
+    tool_call_parser: Optional[str] = Field(
+        None, description="vLLM --tool-call-parser (e.g. 'hermes' for Qwen2.5), with "
+                          "--enable-auto-tool-choice, so requests with tool_choice 'auto' "
+                          "are served; without it vLLM answers them with a 400.")
+    generate_model_shape: Optional[Literal["tiny", "qwen2.5-0.5b", "qwen2.5-7b"]] = Field(
+        None, description="When the model directory holds no config.json, generate a model "
+                          "of this shape there first (config and tokenizer, as "
+                          "deploy/make_model.py does; the engines load dummy weights). The "
+                          "default tiny model is always generated when missing.")
     max_num_seqs: Optional[int] = Field(None, description="vLLM --max-num-seqs.")
     extra_engine_args: list[str] = Field(default_factory=list,
                                          description="Further vLLM command-line arguments.")
@@ -78,9 +96,23 @@ class Settings(BaseSettings):
     max_ongoing_requests: int = Field(
         1024, ge=1, description="Per replica, in Ray Serve. Serve's default of 5 would divert "
                                 "traffic from the replica the router chose.")
+    data_path: Literal["direct", "serve"] = Field(
+        "direct", description="How a request's bytes travel once routed. 'direct': the ingress "
+                              "decides and streams from the chosen engine's HTTP server over "
+                              "pooled keep-alive connections (Ray Serve hosts, places, "
+                              "health-checks and scales the replicas). 'serve': through a "
+                              "Serve handle call to the replica actor, which proxies to its "
+                              "engine (one more process hop per request and per streamed "
+                              "chunk). docs/benchmarks.md measures both.")
+    engine_host: str = Field(
+        "127.0.0.1", description="Address each engine's HTTP server binds. Loopback keeps "
+                                 "engines private to their node; with 'direct' and ingress "
+                                 "processes on other nodes, bind 0.0.0.0 (the replica then "
+                                 "advertises its node's IP).")
     kv_events_dir: Optional[str] = Field(
-        None, description="Directory of the engines' KV-event IPC sockets (one publisher and "
-                          "one replay socket per engine); default: the system temp dir.")
+        None, description="Directory of the engines' KV-event IPC socket files (one publisher "
+                          "and one replay socket per engine); default: none, Linux's "
+                          "abstract socket namespace (no file, nothing left behind).")
 
     # --- routing ------------------------------------------------------------------------
     policy: Literal["prefix_aware", "round_robin", "random", "least_loaded"] = Field(
@@ -92,8 +124,9 @@ class Settings(BaseSettings):
                                   "imbalance, more prefixes recomputed on a second replica; "
                                   "the trade-off is measured in docs/benchmarks.md.")
     allow_policy_override: bool = Field(
-        False, description="Honour an 'x-routing-policy' request header naming a policy "
-                           "(benchmarks and tests compare policies on the same replicas).")
+        False, description="Honour an 'x-routing-policy' request header naming a policy, and "
+                           "'x-data-path' (direct or serve): benchmarks and tests compare "
+                           "them on the same replicas. Off: such a header gets a 400.")
     redis_url: Optional[str] = Field(
         None, description="Redis URL for the shared index and load; none = in-process index.")
     redis_timeout_s: float = Field(
@@ -110,8 +143,8 @@ class Settings(BaseSettings):
                                 "before the first BlockStored arrives.")
     kv_events_grace_s: float = Field(
         5.0, gt=0, description="A replica whose engine sent no KV-event batch this long after "
-                               "a request with a full prompt block completed is reported as "
-                               "publishing no events.")
+                               "its counters showed it computed a whole prompt block is "
+                               "reported as publishing no events.")
     prefill_tokens_per_s: float = Field(
         20000.0, gt=0, description="Initial prefill rate per replica for the cost model; "
                                    "replaced by the measured rate once requests complete.")
@@ -119,8 +152,10 @@ class Settings(BaseSettings):
         0.005, ge=0, description="Initial cost of one decode step per running sequence batch, "
                                  "for the decode-pressure term (s).")
     tie_tolerance_s: float = Field(
-        0.002, ge=0, description="Costs within this of the minimum count as ties; ties go to "
-                                 "the replica that waited longest since its last assignment.")
+        0.002, ge=0, description="prefix_aware: costs within this (or within 5 %) of the "
+                                 "lowest are near-ties, which go to the replica with the most "
+                                 "cached tokens, then the fewest requests in flight, then the "
+                                 "oldest last assignment.")
 
     # --- ingress ------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="HTTP bind address of Ray Serve's proxy.")
@@ -142,6 +177,75 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(
         1800.0, gt=0, description="Upper bound of one request to an engine.")
 
+    # --- admission and priorities -------------------------------------------------------
+    max_inflight_per_replica: Optional[int] = Field(
+        None, ge=1, description="Admission bound: while every usable replica has this many "
+                                "requests in flight (every router's), a new request waits in "
+                                "the router's queue (by priority, then arrival) for at most "
+                                "queue_timeout_s, then gets a 429 with Retry-After. None: "
+                                "no bound, requests queue in the engines.")
+    queue_timeout_s: float = Field(
+        2.0, gt=0, description="Longest wait of a request in the router's admission queue "
+                               "before its 429 (s).")
+    retry_after_s: int = Field(
+        1, ge=1, description="Retry-After of the admission 429 (s).")
+    priority_header: str = Field(
+        "x-priority", description="Request header of a request's priority (an integer; lower "
+                                  "is served first, as vLLM's priority field). With API keys, "
+                                  "a request cannot go ahead of its tenant's priority.")
+    engine_priority_scheduling: bool = Field(
+        False, description="Start the engines with vLLM's --scheduling-policy priority and "
+                           "send each request's priority in its body (vLLM refuses the "
+                           "field otherwise).")
+
+    # --- sessions ------------------------------------------------------------------------
+    session_header: str = Field(
+        "x-session-id", description="Request header naming a conversation (matched without "
+                                    "regard to case or to '-' versus '_'); without it, "
+                                    "OpenAI's 'user' field does (session_from_user). A "
+                                    "session stays on its replica while that replica is "
+                                    "usable and not overloaded, for every router (the pins "
+                                    "are in Redis when redis_url is set).")
+    session_from_user: bool = Field(
+        True, description="Use the request's 'user' field as its session when it has no "
+                          "session header.")
+    session_ttl_s: float = Field(
+        1800.0, gt=0, description="A session's pin lives this long after its last request (s).")
+    session_overload_factor: float = Field(
+        2.0, ge=1.0, description="A session leaves its replica (and is pinned anew) when that "
+                                 "replica has more than this times the fleet's mean requests "
+                                 "in flight plus one while another has fewer, or is at "
+                                 "max_inflight_per_replica.")
+
+    # --- tenants and security ------------------------------------------------------------
+    api_keys_file: Optional[str] = Field(
+        None, description="JSON file of API keys, stored as SHA-256 hashes, each mapped to a "
+                          "tenant (router/serve/auth.py; make keys with python -m "
+                          "router.serve.auth new-key). Set: every request needs "
+                          "'Authorization: Bearer <key>' (401 otherwise) and the operator "
+                          "endpoints an admin key (403); the file is re-read when it "
+                          "changes. Unset (and no api_keys): no keys are checked.")
+    api_keys: Optional[str] = Field(
+        None, description="The same JSON document as api_keys_file, given whole (for keys "
+                          "injected as an environment variable); both may be set.")
+    tenant_cache_isolation: bool = Field(
+        True, description="With API keys: give each tenant's requests its own vLLM "
+                          "cache_salt, so no tenant's prompt reuses (or, by timing, "
+                          "reveals) another tenant's cached blocks; tenants that share a "
+                          "cache_group in the keys file share their cache.")
+    cache_salt_secret: Optional[str] = Field(
+        None, description="HMAC key of the tenants' cache salts: with it, whoever reaches an "
+                          "engine directly cannot compute a tenant's salt. Every router "
+                          "process must have the same one.")
+    redis_tls_ca_file: Optional[str] = Field(
+        None, description="CA certificate(s) that sign the Redis server's certificate, for a "
+                          "rediss:// redis_url (default: the system's CAs).")
+    redis_tls_cert_file: Optional[str] = Field(
+        None, description="Client certificate for Redis servers that require one (mutual "
+                          "TLS, tls-auth-clients yes).")
+    redis_tls_key_file: Optional[str] = Field(
+        None, description="Private key of redis_tls_cert_file.")
+
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings,
                                    dotenv_settings, file_secret_settings
@@ -161,6 +265,15 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _defaults_from_model(self) -> "Settings":
+        # A relative directory is the caller's (serve run's working directory): made absolute
+        # here, so the replicas' processes, started elsewhere, find the same one. A name that
+        # is no local path (a model hub id) is left as it is, unless it is to be generated.
+        for name in ("model", "tokenizer", "api_keys_file", "redis_tls_ca_file",
+                     "redis_tls_cert_file", "redis_tls_key_file"):
+            value = getattr(self, name)
+            if value and not Path(value).is_absolute() and (
+                    Path(value).exists() or (name == "model" and self.generate_model_shape)):
+                setattr(self, name, str(Path(value).resolve()))
         if self.served_model_name is None:
             self.served_model_name = Path(self.model).name
         if self.tokenizer is None:
@@ -178,13 +291,78 @@ class Settings(BaseSettings):
         return requested if requested and self.allow_policy_override else self.policy
 
     def policy_kwargs(self, policy: str) -> dict[str, Any]:
-        """Keyword arguments of ``router.policies.make_policy`` for ``policy`` from these
-        settings (only ``prefix_aware`` takes any: its ``load_factor``)."""
-        return {"load_factor": self.load_factor} if policy == "prefix_aware" else {}
+        """Keyword arguments of ``router.policy.make_policy`` for ``policy`` from these
+        settings (only ``prefix_aware`` takes any: its ``load_factor`` and ``tie_abs_s``)."""
+        return {"load_factor": self.load_factor, "tie_abs_s": self.tie_tolerance_s} \
+            if policy == "prefix_aware" else {}
+
+    @classmethod
+    def given_twice(cls, args: dict[str, Any]) -> list[str]:
+        """The settings in ``args`` (a Serve config's ``args:``) that a ``PREFIX_ROUTER_*``
+        variable or the ``PREFIX_ROUTER_CONFIG`` file also sets, to another value: one line
+        each, naming both sources and values. Empty when nothing conflicts.
+
+        Raises:
+            pydantic.ValidationError: a value in ``args`` or in the environment is invalid.
+        """
+        import yaml
+        path = os.environ.get("PREFIX_ROUTER_CONFIG")
+        from_file = yaml.safe_load(Path(path).read_text()) or {} if path else {}
+        out = []
+        for name, value in args.items():
+            env = f"PREFIX_ROUTER_{name.upper()}"
+            others = [(f"the environment variable {env}", os.environ[env])] if env in os.environ \
+                else []
+            if name in from_file:
+                others.append((f"the config file {path}", from_file[name]))
+            mine = getattr(cls(**{name: value}), name)
+            for where, other in others:
+                theirs = getattr(cls(**{name: other}), name)
+                if theirs != mine:
+                    out.append(f"{name} is {mine!r} in the application's args and {theirs!r} "
+                               f"in {where}")
+        return out
 
     def dump(self) -> dict[str, Any]:
         """JSON-serialisable dict of every field (to pass to other processes)."""
         return self.model_dump(mode="json")
+
+    def redacted(self) -> dict[str, Any]:
+        """``dump()`` with secrets masked, for logs and the operator endpoints: the
+        password of ``redis_url``, ``api_keys`` and ``cache_salt_secret``."""
+        out = self.dump()
+        if out.get("redis_url"):
+            out["redis_url"] = redact_url(out["redis_url"])
+        for name in ("api_keys", "cache_salt_secret"):
+            if out.get(name):
+                out[name] = "***"
+        return out
+
+    def redis_connection_kwargs(self) -> dict[str, Any]:
+        """TLS keyword arguments of ``redis.asyncio.Redis.from_url`` for a ``rediss://``
+        ``redis_url`` (redis-py reads none of them from the URL); empty otherwise."""
+        if not (self.redis_url or "").startswith("rediss://"):
+            return {}
+        out: dict[str, Any] = {}
+        for name, kw in (("redis_tls_ca_file", "ssl_ca_certs"),
+                         ("redis_tls_cert_file", "ssl_certfile"),
+                         ("redis_tls_key_file", "ssl_keyfile")):
+            if getattr(self, name):
+                out[kw] = getattr(self, name)
+        return out
+
+
+def redact_url(url: str) -> str:
+    """``url`` with the password of its user-info replaced by ``***``
+    (``redis://user:secret@host`` → ``redis://user:***@host``)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.netloc.rsplit("@", 1)[1]
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
 
 
 def settings_markdown() -> str:

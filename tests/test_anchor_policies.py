@@ -1,5 +1,5 @@
 """Each anchor re-implementation makes the decisions its source's rules give, on small
-hand-made cases (rules in ../shared/reference/ANCHOR_POLICIES.md)."""
+hand-made cases (rules and sources in docs/reference.md section 5)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,16 @@ import random
 
 import xxhash
 
-from router.anchor_policies import (CharRadixTree, DynamoKVCost, KubeAIPrefixHash,
-                                    LlmdWeightedScorers, RayPrefixCacheAffinity,
-                                    SGLangCacheAware)
-from router.load import ReplicaLoad
-from router.policies import Candidate, RouteRequest
+from router.load.base import ReplicaLoad
+from router.policy import Candidate, RouteRequest
+from router.policy.anchors import (
+    CharRadixTree,
+    DynamoKVCost,
+    KubeAIPrefixHash,
+    LlmdWeightedScorers,
+    RayPrefixCacheAffinity,
+    SGLangCacheAware,
+)
 
 BS = 16
 

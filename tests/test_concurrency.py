@@ -1,4 +1,5 @@
-"""FAULTS.md 11.1: the in-process index and load tracker under concurrent threads and tasks.
+"""docs/fault-cases.md 11.1: the in-process index and load tracker under concurrent threads and
+tasks.
 
 The router loop, the event consumers and the ingress loop touch the same objects from
 different threads; nothing may raise ("dictionary changed size during iteration") and the
@@ -10,9 +11,9 @@ from __future__ import annotations
 import random
 import threading
 
-from router.index.base import KVEvent
 from router.index.memory import MemoryPrefixIndex
-from router.load import MemoryLoadTracker
+from router.kv_events.wire import KVEvent
+from router.load.memory import MemoryLoadTracker
 
 
 def test_index_survives_concurrent_lookups_event_bursts_and_expiry():

@@ -44,10 +44,77 @@ def test_model_name_and_tokenizer_default_from_the_model_directory():
 
 
 def test_load_factor_reaches_the_prefix_aware_policy(monkeypatch):
-    from router.policies import make_policy
+    from router.policy import make_policy
     monkeypatch.setenv("PREFIX_ROUTER_LOAD_FACTOR", "1.5")
     s = Settings()
     assert make_policy("prefix_aware", **s.policy_kwargs("prefix_aware")).load_factor == 1.5
     assert s.policy_kwargs("round_robin") == {}
     with pytest.raises(ValidationError):
         Settings(load_factor=0.9)  # a bound below the mean would refuse every replica
+
+
+@pytest.mark.parametrize("name", ["cpu.yaml", "gpu.yaml", "gpu-shared.yaml"])
+def test_every_deploy_config_is_a_valid_serve_config_of_valid_settings(name):
+    """The GPU configs are checked here, not run (CI has no GPU): Serve's own schema of a
+    config file, our settings, and the engine command each replica would start."""
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from replicas.engine import EnginePorts, EngineProcess
+
+    cfg = yaml.safe_load((DOC.parent.parent / "deploy" / name).read_text())
+    ServeDeploySchema.model_validate(cfg)
+    s = Settings(**cfg["applications"][0]["args"])
+    device = "gpu" if s.device == "gpu" else "cpu"
+    cmd = EngineProcess(s, EnginePorts(8100, "ipc:///tmp/a", "ipc:///tmp/b"), "t",
+                        device).command()
+    assert "--prefix-caching-hash-algo" in cmd and "--kv-events-config" in cmd
+    if device == "gpu":
+        assert s.replica_num_gpus * s.num_replicas <= 1 or s.replica_num_gpus == 1
+        if s.replica_num_gpus < 1:  # engines sharing a GPU get their KV cache explicitly,
+            # and each asks at start for no more free memory than its share (vLLM's check)
+            assert s.gpu_memory_utilization <= s.replica_num_gpus
+            assert cmd[cmd.index("--kv-cache-memory-bytes") + 1] == str(
+                int(s.kv_cache_memory_gib * 2**30))
+        assert s.block_size % 16 == 0 and not s.enforce_eager
+        assert cmd[cmd.index("--tool-call-parser") + 1] == "hermes"
+
+
+def test_a_relative_model_directory_is_made_absolute_for_the_replicas(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    s = Settings(model="models/qwen2.5-7b", generate_model_shape="qwen2.5-7b")
+    assert s.model == str(tmp_path / "models" / "qwen2.5-7b")
+    assert Settings(**s.dump()).model == s.model
+    (tmp_path / "local-model").mkdir()
+    assert Settings(model="local-model").model == str(tmp_path / "local-model")
+    # a name that is no local directory (a model hub id) stays as it is
+    assert Settings(model="Qwen/Qwen2.5-7B-Instruct").model == "Qwen/Qwen2.5-7B-Instruct"
+
+
+def test_the_tie_tolerance_reaches_the_prefix_aware_policy():
+    from router.policy import make_policy
+    s = Settings(tie_tolerance_s=0.01)
+    assert make_policy("prefix_aware", **s.policy_kwargs("prefix_aware")).tie_abs_s == 0.01
+
+
+def test_a_setting_given_twice_with_different_values_is_reported(monkeypatch, tmp_path):
+    """The application's args beat PREFIX_ROUTER_* variables: an operator who sets both to
+    different values learns it at start-up instead of running something else."""
+    monkeypatch.setenv("PREFIX_ROUTER_NUM_REPLICAS", "1")
+    monkeypatch.setenv("PREFIX_ROUTER_POLICY", "round_robin")
+    f = tmp_path / "router.yaml"
+    f.write_text("max_model_len: 2048\n")
+    monkeypatch.setenv("PREFIX_ROUTER_CONFIG", str(f))
+    found = Settings.given_twice({"num_replicas": 2, "policy": "round_robin",
+                                  "max_model_len": 8192, "block_size": 32})
+    assert len(found) == 2
+    assert any("num_replicas" in c and "PREFIX_ROUTER_NUM_REPLICAS" in c for c in found)
+    assert any("max_model_len" in c and str(f) in c for c in found)
+    assert Settings.given_twice({"policy": "round_robin", "num_replicas": "1"}) == []
+
+
+def test_the_application_refuses_settings_given_twice(monkeypatch):
+    from router.app import build_app
+    monkeypatch.setenv("PREFIX_ROUTER_NUM_REPLICAS", "1")
+    with pytest.raises(ValueError, match="num_replicas"):
+        build_app({"num_replicas": 2})

@@ -35,7 +35,7 @@ def test_trailing_partial_block_is_not_hashed():
 
 
 def test_each_block_hash_depends_on_its_parent():
-    """FAULTS.md 3.1: the same block content after a different prefix has another key."""
+    """docs/fault-cases.md 3.1: the same block content after a different prefix has another key."""
     h = hasher()
     a, b = list(range(32)), list(range(100, 132))
     ab = h.block_hashes(a + b)
@@ -49,7 +49,7 @@ def test_seed_changes_every_hash():
 
 
 def test_lora_and_salt_of_the_same_name_never_collide():
-    """FAULTS.md 3.4: tagged extra keys keep a LoRA named X apart from a salt X."""
+    """docs/fault-cases.md 3.4: tagged extra keys keep a LoRA named X apart from a salt X."""
     h = hasher()
     tokens = list(range(64))
     assert h.block_hashes(tokens, lora_name="X")[0] != h.block_hashes(tokens, cache_salt="X")[0]

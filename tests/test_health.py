@@ -1,5 +1,5 @@
-"""Circuit breakers per replica (FAULTS.md 6.2): open after consecutive failures, half-open
-after ``open_s``, and a half-open replica that the policy passes over is not shut out."""
+"""Circuit breakers per replica (docs/fault-cases.md 6.2): open after consecutive failures,
+half-open after ``open_s``, and a half-open replica that the policy passes over is not shut out."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import random
 
 from router.clock import ManualClock
 from router.config import Settings
-from router.health import ReplicaHealth
 from router.index.memory import MemoryPrefixIndex
-from router.load import MemoryLoadTracker
-from router.policies import PrefixAware
-from router.routing import ReplicaInfo, RoutingCore
+from router.load.memory import MemoryLoadTracker
+from router.policy import PrefixAware
+from router.routing.core import RoutingCore
+from router.routing.health import ReplicaHealth
+from router.routing.replica import ReplicaInfo
 
 
 def opened(clock: ManualClock) -> ReplicaHealth:

@@ -8,22 +8,31 @@ import uuid
 import pytest
 
 from router.clock import ManualClock
-from router.index.base import IndexUnavailable, KVEvent
+from router.index.base import IndexUnavailable
 from router.index.memory import MemoryPrefixIndex
-from router.index.redis_index import RedisPrefixIndex
+from router.index.redis import RedisConnections, RedisPrefixIndex
+from router.kv_events.wire import KVEvent
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
-@pytest.fixture(params=["memory", "fakeredis", "redis"])
+@pytest.fixture(params=["memory", "fakeredis", "redis", "redis-tls-acl"])
 async def index(request):
+    """Every backend; ``redis-tls-acl``: a Redis of the tests' own that takes TLS with
+    client certificates only, as an ACL user allowed the router's commands alone
+    (``router.redis_keys.acl_rules``), with its password in the URL."""
     clock = ManualClock(time.time())  # Redis expires keys by wall time: start there
     if request.param == "memory":
         idx = MemoryPrefixIndex(clock=clock)
         yield idx
         return
     ns = f"test-{uuid.uuid4().hex[:8]}"
-    idx = RedisPrefixIndex(REDIS_URL, namespace=ns, timeout_s=2.0, clock=clock)
+    if request.param == "redis-tls-acl":
+        secure = request.getfixturevalue("secure_redis")
+        conn = RedisConnections(secure.url, 2.0, secure.connection_kwargs)
+        idx = RedisPrefixIndex(secure.url, namespace=ns, clock=clock, connections=conn)
+    else:
+        idx = RedisPrefixIndex(REDIS_URL, namespace=ns, timeout_s=2.0, clock=clock)
     if request.param == "fakeredis":
         import fakeredis
         fake = fakeredis.FakeAsyncRedis()
@@ -65,7 +74,7 @@ async def test_predicted_expiry_only_moves_later(index):
 
 
 async def test_match_stops_at_first_missing_block(index):
-    """FAULTS.md 2.4: blocks 1..3 stored, block 1 evicted: nothing is reusable."""
+    """docs/fault-cases.md 2.4: blocks 1..3 stored, block 1 evicted: nothing is reusable."""
     await index.apply_events("A", [stored(1, 2, 3)])
     assert (await index.lookup([1, 2, 3], ["A"]))["A"] == 3
     await index.apply_events("A", [removed(1)])

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from router.config import Settings
-from router.errors import OpenAIError
-from router.ingress import IngressCore
-from router.prompts import CHAT_PATH, COMPLETIONS_PATH
+from router.prompt.render import CHAT_PATH, COMPLETIONS_PATH
+from router.serve.errors import OpenAIError
+from router.serve.ingress import IngressCore
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ def test_unknown_paths_and_methods_get_the_openai_error_shape():
     error body."""
     from fastapi.testclient import TestClient
 
-    from router.ingress import build_fastapi_app
+    from router.serve.ingress import build_fastapi_app
     app = build_fastapi_app()
 
     @app.get("/v1/models")

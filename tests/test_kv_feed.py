@@ -1,17 +1,16 @@
 """KV-event consumption over real ZMQ sockets: wire format, gaps, replay, restarts, and the
-index rebuilt after a Redis outage or flush (FAULTS.md 2.1, 2.6, 8.1)."""
+index rebuilt after a Redis outage or flush (docs/fault-cases.md 2.1, 2.6, 8.1)."""
 
 from __future__ import annotations
 
 import asyncio
 import uuid
 
-from replicas.sim_server import EventPublisher
-from router.index.base import KVEvent
+from replicas.sim.server import EventPublisher
 from router.index.memory import MemoryPrefixIndex
-from router.index.redis_index import RedisPrefixIndex
-from router.kv_consumer import EventFeed, FeedHealth
-from router.kv_events import decode_batch
+from router.index.redis import RedisPrefixIndex
+from router.kv_events.feed import EventFeed, FeedHealth
+from router.kv_events.wire import KVEvent, decode_batch
 
 
 def endpoints(tmp_path):
@@ -29,9 +28,13 @@ async def until(pred, timeout_s=5.0):
 def test_vllm_encoded_batch_decodes():
     """The decoder reads what vLLM's own msgspec encoder writes (tagged maps, omitted
     defaults, an array batch)."""
-    from vllm.distributed.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored,
-                                            KVEventBatch)
     import msgspec
+    from vllm.distributed.kv_events import (
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+        KVEventBatch,
+    )
     batch = KVEventBatch(ts=1.5, events=[
         BlockStored(block_hashes=[1, bytes(8) + (7).to_bytes(8, "big")], parent_block_hash=None, token_ids=[0] * 64,
                     block_size=32, lora_id=None, medium="GPU", lora_name=None),
@@ -125,19 +128,61 @@ async def test_engine_restart_clears_the_replicas_entries(tmp_path):
     await feed.stop()
 
 
-def test_feed_health_reports_silence_only_after_requests_that_stored_blocks():
+async def test_a_restarted_engines_first_batches_are_applied_after_a_replay(tmp_path):
+    """The new engine's batches 0, 1... repeat sequence numbers that the subscriber's first
+    replay delivered from the old engine: they are new batches, not the replay's duplicates
+    (they were dropped, so the first requests' blocks were missing after a restart)."""
+    ep, rp = endpoints(tmp_path)
+    pub = EventPublisher(ep, rp, "r1")
+    task = asyncio.create_task(pub.serve_replay())
+    for i in range(3):  # before the subscriber joins: it gets them by replay
+        await pub.publish([KVEvent("stored", [10 + i], 9 + i if i else None)], 32)
+    index = MemoryPrefixIndex()
+    feed = EventFeed("r1", ep, rp, index, flush_interval_s=0.001)
+    feed.start()
+    await until(lambda: _matched(index, [10, 11, 12], 3))
+    task.cancel()
+    pub.pub.close()
+    pub.replay.close()
+    pub2 = EventPublisher(ep, rp, "r1")  # the restarted engine counts from 0 again
+    task2 = asyncio.create_task(pub2.serve_replay())
+    await asyncio.sleep(0.3)
+    await pub2.publish([KVEvent("stored", [50], None)], 32)
+    await pub2.publish([KVEvent("stored", [51], 50)], 32)
+    await until(lambda: _matched(index, [50, 51], 2))
+    assert (await index.lookup([10], ["r1"]))["r1"] == 0
+    assert feed.subscriber.restarts == 1
+    task2.cancel()
+    await feed.stop()
+
+
+def test_feed_health_reports_silence_only_once_the_engine_computed_a_whole_block():
+    """Counters as the replica scrapes them (computed prompt tokens, finished requests,
+    running + waiting), block size 32."""
     h = FeedHealth(grace_s=5.0)
-    h.on_request_done(expects_events=False, started_at=99.0, now=100.0)
+    h.on_engine_counters(0, 0, 0, 32, now=100.0)  # the first scrape is the base
+    # three requests of 31 uncached tokens each: none computed a whole block
+    h.on_engine_counters(93, 3, 0, 32, now=102.0)
     assert h.live(200.0)
-    h.on_batch(engine_ts=99.4, now=99.5)  # published while the next request ran
-    h.on_request_done(expects_events=True, started_at=99.0, now=100.0)
+    # refused or cancelled before prefill: nothing computed, nothing owed
+    h.on_engine_counters(93, 9, 0, 32, now=104.0)
     assert h.live(200.0)
-    h.on_request_done(expects_events=True, started_at=150.0, now=151.0)
-    assert h.live(155.0) and not h.live(157.0)
-    h.on_batch(engine_ts=157.9, now=158.0)
+    # one more request of 400 tokens, still running: 493 > 10 x 31, a block is owed
+    h.on_engine_counters(493, 9, 1, 32, now=150.0)
+    assert h.live(154.0) and not h.live(156.0)
+    h.on_batch(engine_ts=155.9, now=156.0)  # it came (late): live again, counted anew
     assert h.live(300.0)
+    h.on_engine_counters(493, 10, 0, 32, now=158.0)
+    h.on_engine_counters(493, 10, 0, 32, now=300.0)
+    assert h.live(400.0)
 
 
+def test_feed_health_takes_an_engine_restart_as_a_new_base():
+    h = FeedHealth(grace_s=5.0)
+    h.on_engine_counters(5000, 40, 0, 32, now=100.0)
+    h.on_engine_counters(64, 1, 0, 32, now=102.0)  # counters went back: a new engine
+    h.on_engine_counters(64, 1, 0, 32, now=104.0)
+    assert h.live(200.0)
 
 
 async def test_index_is_rebuilt_from_the_replicas_record_after_redis_returns(tmp_path,
@@ -161,7 +206,7 @@ async def test_index_is_rebuilt_from_the_replicas_record_after_redis_returns(tmp
 
 
 async def test_a_flushed_index_is_rebuilt_from_the_record(tmp_path, own_redis):
-    """FAULTS.md 2.6 (b): FLUSHDB, then the engine's blocks are indexed again."""
+    """docs/fault-cases.md 2.6 (b): FLUSHDB, then the engine's blocks are indexed again."""
     ep, _ = endpoints(tmp_path)
     pub = EventPublisher(ep, None, "r1")
     index = RedisPrefixIndex(own_redis.url, namespace=f"t{uuid.uuid4().hex[:6]}",

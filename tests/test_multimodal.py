@@ -1,4 +1,4 @@
-"""FAULTS.md 4.4: multimodal requests must not be hashed on their text alone.
+"""docs/fault-cases.md 4.4: multimodal requests must not be hashed on their text alone.
 
 vLLM mixes each image's hash into the blocks that touch its tokens, so two requests with the
 same text and different images share no cache. The router cannot reproduce image hashes, so
@@ -14,11 +14,12 @@ import pytest
 
 from router.config import Settings
 from router.index.memory import MemoryPrefixIndex
-from router.ingress import IngressCore
-from router.load import MemoryLoadTracker
-from router.policies import PrefixAware
-from router.prompts import CHAT_PATH
-from router.routing import ReplicaInfo, RoutingCore
+from router.load.memory import MemoryLoadTracker
+from router.policy import PrefixAware
+from router.prompt.render import CHAT_PATH
+from router.routing.core import RoutingCore
+from router.routing.replica import ReplicaInfo
+from router.serve.ingress import IngressCore
 from tests.conftest import make_text
 
 PNG_1 = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk"

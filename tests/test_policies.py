@@ -10,10 +10,19 @@ from router.clock import ManualClock
 from router.config import Settings
 from router.index.base import IndexUnavailable
 from router.index.memory import MemoryPrefixIndex
-from router.load import MemoryLoadTracker, ReplicaLoad
-from router.policies import (Candidate, LeastLoaded, PrefixAware, RoundRobin, RouteRequest,
-                             cached_tokens, make_policy)
-from router.routing import ReplicaInfo, RoutingCore
+from router.load.base import ReplicaLoad
+from router.load.memory import MemoryLoadTracker
+from router.policy import (
+    Candidate,
+    LeastLoaded,
+    PrefixAware,
+    RoundRobin,
+    RouteRequest,
+    cached_tokens,
+    make_policy,
+)
+from router.routing.core import RoutingCore
+from router.routing.replica import ReplicaInfo
 
 BS = 32
 
@@ -74,7 +83,7 @@ def test_prefix_aware_leaves_a_warm_replica_whose_queue_costs_more_than_the_hit_
 
 
 async def test_misses_are_decided_by_load_not_by_cache_size():
-    """FAULTS.md 1.1: new prompts go to the idle replica holding a big cache, not to the
+    """docs/fault-cases.md 1.1: new prompts go to the idle replica holding a big cache, not to the
     busy replica whose index entry is small."""
     core, clock = make_core()
     await core.index.record_predicted("A", hashes(1, 128), ttl_s=600)   # A: 4k-token prompt
@@ -89,7 +98,7 @@ async def test_misses_are_decided_by_load_not_by_cache_size():
 
 
 async def test_paced_sessions_split_cold_starts_and_keep_affinity():
-    """FAULTS.md 1.4: one request in flight at a time; first turns still spread (the
+    """docs/fault-cases.md 1.4: one request in flight at a time; first turns still spread (the
     rotating tie-break), follow-ups stay on their session's replica."""
     core, clock = make_core()
     firsts, affinity = [], []
@@ -112,7 +121,7 @@ async def test_paced_sessions_split_cold_starts_and_keep_affinity():
 
 
 async def test_a_hot_replica_elsewhere_does_not_switch_off_affinity():
-    """FAULTS.md 1.6: D overloaded; requests warm on A still go to A, none to D."""
+    """docs/fault-cases.md 1.6: D overloaded; requests warm on A still go to A, none to D."""
     core, clock = make_core()
     await core.index.record_predicted("A", hashes(7, 64), ttl_s=600)
     for i in range(50):
@@ -152,6 +161,33 @@ async def test_index_outage_falls_back_to_load_and_is_reported():
     d = await core.decide("r", 1000, hashes(1, 30), replicas("A", "B"))
     assert d.reason == "fallback" and d.replica == "B"
     assert errors == ["lookup"] and not core.index_available
+
+
+class _FlakyIndex(MemoryPrefixIndex):
+    down = False
+
+    async def lookup(self, block_hashes, replicas):
+        if self.down:
+            raise IndexUnavailable("timed out")
+        return await super().lookup(block_hashes, replicas)
+
+
+async def test_index_outage_keeps_a_conversation_where_this_router_sent_it():
+    """docs/fault-cases.md 8.1: a lookup that times out between two turns of a conversation
+    does not scatter it; the next turn goes where this router sent the last one (its own
+    recent decisions), and a new prefix is still decided by load."""
+    index = _FlakyIndex()
+    core, clock = make_core(index=index)
+    turn1 = hashes(3, 20)
+    d1 = await core.decide("t1", 700, turn1, replicas("A", "B"))
+    await core.load.release("t1")
+    await core.load.reserve("busy", d1.replica, 50)  # the warm replica is a little busier
+    index.down = True
+    d2 = await core.decide("t2", 800, turn1 + hashes(30, 5), replicas("A", "B"))
+    assert d2.reason == "fallback" and d2.replica == d1.replica
+    assert d2.predicted_cached_tokens[d1.replica] == 20 * core.hash_settings.block_size
+    d3 = await core.decide("t3", 800, hashes(50, 25), replicas("A", "B"))
+    assert d3.reason == "fallback" and d3.replica != d1.replica  # a new prefix: by load
 
 
 async def test_replica_with_other_hash_settings_is_excluded():

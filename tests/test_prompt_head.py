@@ -9,10 +9,10 @@ import uuid
 
 import pytest
 
-from router import state
 from router.config import Settings
-from router.ingress import IngressCore
-from router.prompts import CHAT_PATH, COMPLETIONS_PATH
+from router.prompt.render import CHAT_PATH, COMPLETIONS_PATH
+from router.serve import state
+from router.serve.ingress import IngressCore
 from tests.conftest import make_text
 
 
@@ -91,9 +91,9 @@ async def test_a_burst_is_rendered_in_arrival_order_with_the_index_answers_in_be
     events = []
     render = ingress._prepare
 
-    def logged(path, raw, head=0):
+    def logged(path, raw, *args):
         events.append(("render", bodies.index(raw)))
-        return render(path, raw, head)
+        return render(path, raw, *args)
     ingress._prepare = logged
 
     async def one(i):
@@ -126,7 +126,7 @@ def test_the_rests_length_is_estimated_per_byte(model_dir):
     import base64
     import random
 
-    from router.prompts import PromptRenderer
+    from router.prompt.render import PromptRenderer
     renderer = PromptRenderer(str(model_dir))
     rng = random.Random(0)
     rests = {"cjk": "".join(chr(rng.randrange(0x4E00, 0x9FFF)) for _ in range(6000)),

@@ -12,27 +12,37 @@ import pytest
 
 from router.clock import ManualClock
 from router.config import Settings
-from router.index.base import KVEvent
-from router.index.redis_index import RedisConnections, RedisPrefixIndex
-from router.load_redis import RedisLoadTracker
-from router.policies import Candidate, PrefixAware, RouteRequest
-from router.routing import ReplicaInfo, RoutingCore
+from router.index.redis import RedisConnections, RedisPrefixIndex
+from router.kv_events.wire import KVEvent
+from router.load.redis import RedisLoadTracker
+from router.policy import Candidate, PrefixAware, RouteRequest
+from router.routing.atomic import AtomicRoute
+from router.routing.core import RoutingCore
+from router.routing.replica import ReplicaInfo
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 BS = 32
 
 
-@pytest.fixture(params=["redis", "fakeredis"])
+@pytest.fixture(params=["redis", "fakeredis", "redis-tls-acl"])
 async def redis_pair(request):
+    """The Redis index and load tracker on one Redis: the shared one, fakeredis, or a TLS
+    Redis of the tests' own as the ACL user limited to the router's commands."""
     import time
     ns = f"t-{uuid.uuid4().hex[:8]}"
-    conn = RedisConnections(REDIS_URL, 2.0)
+    url = REDIS_URL
+    if request.param == "redis-tls-acl":
+        secure = request.getfixturevalue("secure_redis")
+        url = secure.url
+        conn = RedisConnections(url, 2.0, secure.connection_kwargs)
+    else:
+        conn = RedisConnections(REDIS_URL, 2.0)
     if request.param == "fakeredis":
         import fakeredis
         fake = fakeredis.FakeAsyncRedis()
         conn.client = lambda *timeout: fake
     clock = ManualClock(time.time())
-    index = RedisPrefixIndex(REDIS_URL, ns, clock=clock, connections=conn)
+    index = RedisPrefixIndex(url, ns, clock=clock, connections=conn)
     load = RedisLoadTracker(conn, ns, clock=clock)
     yield index, load, clock
     await load.close()
@@ -68,7 +78,7 @@ async def test_lua_route_chooses_as_the_python_policy(redis_pair):
         policy.rng = random.Random()
         policy.rng.random = lambda: u
         expected = policy.choose(RouteRequest(prompt, BS, len(prefix)), cands).replica
-        chosen, lua_matched = await load.route(index, f"req{trial}", prompt, prefix,
+        chosen, lua_matched = await AtomicRoute(index, load).route(f"req{trial}", prompt, prefix,
                                                replicas, [15.0] * 4, **route_kwargs(policy, u))
         assert lua_matched == matched
         assert chosen == expected, (trial, matched, loads)
@@ -79,9 +89,9 @@ async def test_route_reserves_once_and_writes_predicted_entries(redis_pair):
     index, load, clock = redis_pair
     p = PrefixAware()
     hashes = [1, 2, 3]
-    chosen, _ = await load.route(index, "q", 100, hashes, ["a", "b"], [15.0, 15.0],
+    chosen, _ = await AtomicRoute(index, load).route("q", 100, hashes, ["a", "b"], [15.0, 15.0],
                                  **route_kwargs(p, 0.0))
-    again, _ = await load.route(index, "q", 100, hashes, ["a", "b"], [15.0, 15.0],
+    again, _ = await AtomicRoute(index, load).route("q", 100, hashes, ["a", "b"], [15.0, 15.0],
                                 **route_kwargs(p, 0.0))  # Serve asked twice
     loads = await load.loads(["a", "b"])
     assert sum(v.inflight for v in loads.values()) == 1
@@ -111,7 +121,8 @@ async def test_leases_of_a_dead_router_are_swept(redis_pair):
 
 
 async def test_several_routers_do_not_all_pick_the_same_replica_for_a_burst(redis_pair):
-    """FAULTS.md 1.7 / 12.3: three routers deciding at once see each other's reservations."""
+    """docs/fault-cases.md 1.7 / 12.3: three routers deciding at once see each other's
+    reservations."""
     index, load, clock = redis_pair
     routers = [load] + [RedisLoadTracker(load.conn, load.ns, clock=clock) for _ in range(2)]
     replicas = [f"r{i}" for i in range(4)]
@@ -119,8 +130,7 @@ async def test_several_routers_do_not_all_pick_the_same_replica_for_a_burst(redi
     async def burst(k: int, tracker: RedisLoadTracker):
         out = []
         for i in range(8):
-            chosen, _ = await tracker.route(
-                index, f"b{k}-{i}", 1000, [10_000 * k + 100 * i + j for j in range(31)],
+            chosen, _ = await AtomicRoute(index, tracker).route(f"b{k}-{i}", 1000, [10_000 * k + 100 * i + j for j in range(31)],
                 replicas, [15.0] * 4, **route_kwargs(PrefixAware(), random.random()))
             out.append(chosen)
         return out
@@ -136,24 +146,26 @@ async def test_routing_core_uses_the_atomic_path_and_falls_back_when_redis_fails
     ns = f"t-{uuid.uuid4().hex[:8]}"
     settings = Settings(redis_url=REDIS_URL, index_namespace=ns)
     conn = RedisConnections(REDIS_URL, 0.5)
-    core = RoutingCore(settings, RedisPrefixIndex(REDIS_URL, ns, connections=conn),
-                       RedisLoadTracker(conn, ns), PrefixAware(random.Random(0)))
+    index, load = RedisPrefixIndex(REDIS_URL, ns, connections=conn), RedisLoadTracker(conn, ns)
+    core = RoutingCore(settings, index, load, PrefixAware(random.Random(0)),
+                       atomic=AtomicRoute(index, load))
     assert core.atomic is not None
     reps = [ReplicaInfo("a", {}, {}), ReplicaInfo("b", {}, {})]
     d1 = await core.decide("r1", 1400, list(range(40)), reps)
     d2 = await core.decide("r2", 1400, list(range(40)) + [99], reps)
     assert d2.replica == d1.replica and d2.reason == "cache"
     dead = RedisConnections("redis://127.0.0.1:1/0", 0.1)
-    down = RoutingCore(settings, RedisPrefixIndex(REDIS_URL, ns, connections=dead),
-                       RedisLoadTracker(dead, ns), PrefixAware(random.Random(0)))
+    index, load = RedisPrefixIndex(REDIS_URL, ns, connections=dead), RedisLoadTracker(dead, ns)
+    down = RoutingCore(settings, index, load, PrefixAware(random.Random(0)),
+                       atomic=AtomicRoute(index, load))
     d3 = await down.decide("r3", 1400, list(range(40)), reps)
     assert d3.reason == "fallback" and not down.index_available
     await core.index.flush()
 
 
 async def _warm_then_overload(routers: int) -> tuple[float, int]:
-    """FAULTS.md 1.7 on the shared Redis: ``routers`` routing cores (router processes) share
-    one namespace; A holds prefix P_a, B holds P_b (from KV events). Clients are spread
+    """docs/fault-cases.md 1.7 on the shared Redis: ``routers`` routing cores (router processes)
+    share one namespace; A holds prefix P_a, B holds P_b (from KV events). Clients are spread
     round-robin over the routers. (a) 40 concurrent requests, half on each prefix: the
     fraction sent to their warm replica. (b) 40 more long P_a requests: the total in flight
     when the first one spills to B."""
@@ -161,8 +173,9 @@ async def _warm_then_overload(routers: int) -> tuple[float, int]:
     settings = Settings(redis_url=REDIS_URL, index_namespace=ns, block_size=BS)
     conn = RedisConnections(REDIS_URL, 2.0)
     index = RedisPrefixIndex(REDIS_URL, ns, connections=conn)
-    cores = [RoutingCore(settings, index, RedisLoadTracker(conn, ns), PrefixAware(random.Random(k)))
-             for k in range(routers)]
+    trackers = [RedisLoadTracker(conn, ns) for _ in range(routers)]
+    cores = [RoutingCore(settings, index, t, PrefixAware(random.Random(k)),
+                         atomic=AtomicRoute(index, t)) for k, t in enumerate(trackers)]
     p_a, p_b = list(range(1, 41)), list(range(1001, 1041))  # 40 blocks each: 1,280 tokens
     await index.apply_events("a", [KVEvent("stored", p_a, None)])
     await index.apply_events("b", [KVEvent("stored", p_b, None)])
@@ -196,8 +209,8 @@ async def _warm_then_overload(routers: int) -> tuple[float, int]:
 
 
 async def test_several_routers_keep_affinity_and_spill_at_the_same_load_as_one():
-    """FAULTS.md 1.7: with 4 router processes each seeing a quarter of the requests, (a) at
-    least 95 % of a balanced load goes to its warm replica, as with one router, and (b) the
+    """docs/fault-cases.md 1.7: with 4 router processes each seeing a quarter of the requests, (a)
+    at least 95 % of a balanced load goes to its warm replica, as with one router, and (b) the
     overloaded replica spills at the same total in flight (within 20 %): load is read from
     Redis, shared by the routers, not from each router's own memory."""
     warm_1, spill_1 = await _warm_then_overload(1)
@@ -214,7 +227,7 @@ async def test_a_new_routers_first_leases_survive_another_routers_sweep(redis_pa
     index, load, clock = redis_pair
     new = RedisLoadTracker(load.conn, load.ns, clock=clock)
     new.ensure_heartbeat = lambda: None  # its heartbeat task has not run yet
-    await new.route(index, "first", 1000, [1, 2, 3], ["a", "b"], [15.0, 15.0],
+    await AtomicRoute(index, new).route("first", 1000, [1, 2, 3], ["a", "b"], [15.0, 15.0],
                     **route_kwargs(PrefixAware(), 0.5))
     await new.reserve("second", "b", 100)
     assert await load.sweep() == 0
@@ -242,9 +255,9 @@ async def test_leases_of_zero_prefill_tokens_are_released_exactly_once(redis_pai
     await load.prefill_done("empty")
     await load.release("empty")
     await load.release("empty")
-    await load.route(index, "twice", 0, [], ["a", "b"], [15.0, 15.0],
+    await AtomicRoute(index, load).route("twice", 0, [], ["a", "b"], [15.0, 15.0],
                      **route_kwargs(PrefixAware(), 0.2))
-    await load.route(index, "twice", 0, [], ["a", "b"], [15.0, 15.0],
+    await AtomicRoute(index, load).route("twice", 0, [], ["a", "b"], [15.0, 15.0],
                      **route_kwargs(PrefixAware(), 0.7))  # re-reservation of a 0-token lease
     await load.release("twice")
     await other.reserve("orphan", "b", 0)  # then its router dies
@@ -267,7 +280,7 @@ async def test_a_lease_this_code_did_not_write_is_dropped_without_touching_count
 
 
 async def test_a_release_that_fails_is_retried_until_redis_takes_it(own_redis):
-    """FAULTS.md 5.1 under load: a release that Redis does not take in time (here: writes
+    """docs/fault-cases.md 5.1 under load: a release that Redis does not take in time (here: writes
     paused on a server of the test's own for longer than the bound) must not leave the
     lease behind, since a live router's leases are never swept; it is retried with the
     heartbeat. A release slower than a routing call but within the longer bound of
@@ -280,17 +293,17 @@ async def test_a_release_that_fails_is_retried_until_redis_takes_it(own_redis):
     await load.reserve("lost", "a", 100)
     admin.execute_command("CLIENT", "PAUSE", 300, "WRITE")
     await load.release("slow")  # 300 ms: past a routing call's bound, within a release's
-    assert load._unreleased == set()
+    assert load.pending_releases == set()
     admin.execute_command("CLIENT", "PAUSE", int(conn.MAINTENANCE_TIMEOUT_S * 1000) + 1000,
                           "WRITE")
     await load.release("lost")
-    assert load._unreleased == {"lost"}  # Redis did not take it: kept for the heartbeat
+    assert load.pending_releases == {"lost"}  # Redis did not take it: kept for the heartbeat
     assert admin.hget("t:leases", "lost") is not None
     for _ in range(100):
-        if not load._unreleased:
+        if not load.pending_releases:
             break
         await asyncio.sleep(0.1)
-    assert load._unreleased == set() and admin.hgetall("t:leases") == {}
+    assert load.pending_releases == set() and admin.hgetall("t:leases") == {}
     assert int(admin.hget("t:load", "a:n")) == 0 and int(admin.hget("t:load", "a:p")) == 0
     await load.close()
     await conn.close()
@@ -300,15 +313,51 @@ async def test_a_pending_release_does_not_take_a_later_reservation_of_the_same_r
         redis_pair):
     """A retry reserves the same request id again after its first attempt's release failed:
     the reservation replaces the old lease itself, so the pending release is dropped and
-    the retry keeps its load."""
+    the retry keeps its load. A release names the attempt it ends, so the pending release
+    of the first attempt, retried by the heartbeat while the route script reserves the
+    second (CI saw the heartbeat's retry land after it and take its load), or arriving
+    after it, leaves the second attempt's lease alone."""
     index, load, clock = redis_pair
-    await load.reserve("r", "a", 100)
-    load._unreleased.add("r")  # the first attempt's release did not reach Redis
-    await load.route(index, "r", 1000, [1, 2, 3], ["a", "b"], [15.0, 15.0],
-                     **route_kwargs(PrefixAware(), 0.5))
-    assert await load.retry_releases() == 0
-    assert sum(v.inflight for v in (await load.loads(["a", "b"])).values()) == 1
-    load._unreleased.add("r")
-    await load.reserve("r", "b", 10)
-    await load.retry_releases()
-    assert (await load.loads(["b"]))["b"].inflight == 1
+    route = AtomicRoute(index, load)
+    kwargs = route_kwargs(PrefixAware(), 0.5)
+
+    async def owner_in_redis(request_id):
+        lease = await load.conn.call(lambda c: c.hget(load.redis_keys.leases, request_id))
+        return lease.decode().split("|", 3)[3]
+
+    async def inflight():
+        return sum(v.inflight for v in (await load.loads(["a", "b"])).values())
+
+    for retry_first in (False, True):
+        await load.reserve("r", "a", 100)
+        first = await owner_in_redis("r")
+        load._unreleased["r"] = first  # the first attempt's release did not reach Redis
+        steps = [route.route("r", 1000, [1, 2, 3], ["a", "b"], [15.0, 15.0], **kwargs),
+                 load.retry_releases()]
+        await asyncio.gather(*(steps[::-1] if retry_first else steps))
+        assert await load.retry_releases() == 0
+        assert await owner_in_redis("r") != first
+        assert await inflight() == 1
+        await load._release("r", first)  # the first attempt's release, arriving late
+        assert await inflight() == 1
+        load._unreleased["r"] = await owner_in_redis("r")
+        await load.reserve("r", "b", 10)
+        await load.retry_releases()
+        assert (await load.loads(["b"]))["b"].inflight == 1
+        await load.release("r")
+        assert await inflight() == 0 and load.pending_releases == set()
+
+
+async def test_a_stale_lease_of_an_earlier_attempt_goes_with_the_later_release(redis_pair):
+    """A route script whose caller timed out may still run, after the fallback reserved the
+    same request id as its next attempt: its lease (the earlier attempt's) must not
+    outlive the request. The later attempt's release takes it; an earlier attempt's
+    release never takes a later one's (the test above)."""
+    index, load, clock = redis_pair
+    stale = load.lease_owner("r")  # the timed-out script's attempt
+    await load.reserve("r", "a", 10)  # the fallback's reservation: a later attempt
+    await load.conn.call(lambda c: c.hset(load.redis_keys.leases, "r", f"b|5|0|{stale}"))
+    await load.conn.call(lambda c: c.hincrby(load.redis_keys.load, "b:n", 1))
+    await load.release("r")
+    assert await load.conn.call(lambda c: c.hget(load.redis_keys.leases, "r")) is None
+    assert (await load.loads(["b"]))["b"].inflight == 0

@@ -1,4 +1,4 @@
-"""The router's piecewise tokenization (``router.prompts.SegmentEncoder``) gives exactly the
+"""The router's piecewise tokenization (``router.prompt.segments.SegmentEncoder``) gives exactly the
 tokenizer's own ids, cold and from its cache, on chats with long and short messages,
 unicode, whitespace at the pieces' edges and special-token strings inside user text."""
 
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from router.prompts import CHAT_PATH, COMPLETIONS_PATH, PromptRenderer, SegmentEncoder
+from router.prompt.render import CHAT_PATH, COMPLETIONS_PATH, PromptRenderer
+from router.prompt.segments import SegmentEncoder
 
 MT_BENCH = Path(__file__).resolve().parent.parent / "loadtest" / "data" / "mt-bench" / \
     "question.jsonl"
@@ -97,7 +98,7 @@ def test_long_pieces_cut_for_parallel_encoding_give_the_same_ids(renderer):
 def test_other_pre_tokenizers_are_never_cut():
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    from router.prompts import _splits_at_single_spaces
+    from router.prompt.segments import _splits_at_single_spaces
     sentencepiece_like = Tokenizer(models.BPE())
     sentencepiece_like.pre_tokenizer = pre_tokenizers.Metaspace()
     assert not _splits_at_single_spaces(sentencepiece_like)

@@ -1,5 +1,5 @@
 """Start-up checks that keep the router from routing on hashes that cannot match
-(FAULTS.md 3.2, 8.2)."""
+(docs/fault-cases.md 3.2, 8.2)."""
 
 from __future__ import annotations
 
@@ -10,17 +10,18 @@ import pytest
 
 from replicas.engine import EnginePorts, EngineProcess
 from router.config import Settings
-from router.prompts import PromptRenderer
+from router.prompt.render import PromptRenderer
 
 
 def test_router_without_a_loadable_tokenizer_refuses_to_start(tmp_path):
-    """FAULTS.md 8.2: a tokenizer that cannot load fails the ingress at start-up, loudly."""
+    """docs/fault-cases.md 8.2: a tokenizer that cannot load fails the ingress at start-up,
+    loudly."""
     with pytest.raises((OSError, ValueError)):
         PromptRenderer(str(tmp_path / "no-such-model"))
 
 
 def test_every_engine_is_started_with_the_pinned_hash_settings():
-    """FAULTS.md 3.2: PYTHONHASHSEED, the hash algorithm and the block size are always set
+    """docs/fault-cases.md 3.2: PYTHONHASHSEED, the hash algorithm and the block size are always set
     on the engine, whatever the environment of the replica."""
     s = Settings(hash_seed="42", block_size=64, hash_algo="sha256_cbor")
     proc = EngineProcess(s, EnginePorts(1, "ipc:///tmp/a", "ipc:///tmp/b"), "t", "cpu")
@@ -32,8 +33,8 @@ def test_every_engine_is_started_with_the_pinned_hash_settings():
 
 
 def test_router_hashes_are_identical_across_processes():
-    """FAULTS.md 3.2: two router processes (different Python hash seeds) and a restart give
-    the same block hashes for the same tokens (no process-local hash())."""
+    """docs/fault-cases.md 3.2: two router processes (different Python hash seeds) and a restart
+    give the same block hashes for the same tokens (no process-local hash())."""
     code = ("from router.hashing import BlockHasher, HashSettings;"
             "print(BlockHasher(HashSettings()).block_hashes(list(range(128))))")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

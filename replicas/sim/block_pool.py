@@ -20,7 +20,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from router.index.base import KVEvent
+from router.kv_events.wire import EventKind, KVEvent
 
 
 @dataclass(eq=False)
@@ -112,7 +112,7 @@ class BlockPool:
             owners.pop(b.block_id, None)
             if not owners:
                 del self.cached[b.block_hash]
-        self._events.append(KVEvent("removed", [b.block_hash]))
+        self._events.append(KVEvent(EventKind.REMOVED, [b.block_hash]))
         b.block_hash = None
 
     def cache_full_blocks(self, blocks: Sequence[KVCacheBlock], block_hashes: Sequence[int],
@@ -130,7 +130,7 @@ class BlockPool:
             self.cached.setdefault(h, {})[b.block_id] = b
             stored.append(h)
         if stored:
-            self._events.append(KVEvent("stored", stored, parent_hash))
+            self._events.append(KVEvent(EventKind.STORED, stored, parent_hash))
 
     def free_blocks(self, ordered_blocks: Iterable[KVCacheBlock]) -> None:
         """Drop a reference; blocks reaching 0 join the free queue's tail in the given order
@@ -148,7 +148,7 @@ class BlockPool:
         for b in self.blocks:
             b.block_hash = None
         self.cached.clear()
-        self._events.append(KVEvent("cleared"))
+        self._events.append(KVEvent(EventKind.CLEARED))
         return True
 
     def take_events(self) -> list[KVEvent]:

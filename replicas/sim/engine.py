@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from replicas.sim.block_pool import BlockPool, KVCacheBlock
 from replicas.sim.step_model import StepTimeModel
 from router.hashing import BlockHasher, HashSettings, to_block_hash
+from router.policy.base import max_cached_blocks
 
 
 @dataclass
@@ -131,6 +132,7 @@ class SimEngine:
         self.prefix_cache_queries_total = 0
         self.prefix_cache_hits_total = 0
         self.prefill_time_sum_s = 0.0
+        self.requests_finished_total = 0  # vllm:request_success_total (any reason)
 
     # --- requests --------------------------------------------------------------------
     def add_request(self, req: SimRequest) -> None:
@@ -150,6 +152,7 @@ class SimEngine:
             if req.request_id == request_id:
                 self.waiting.remove(req)
                 req.aborted = req.finished = True
+                self.requests_finished_total += 1
                 return
 
     @property
@@ -172,7 +175,7 @@ class SimEngine:
     def _admit(self, req: SimRequest) -> bool:
         """Prefix hit and first allocation of a waiting request; False if no room."""
         bs = self.config.block_size
-        max_hit_blocks = (req.prompt_tokens - 1) // bs
+        max_hit_blocks = max_cached_blocks(req.prompt_tokens, bs)
         hit = self.pool.longest_cached_prefix(req.block_hashes[:max_hit_blocks])
         # free blocks needed beyond the hit blocks that are themselves in the free queue
         hit_free = sum(1 for b in hit if b.ref_cnt == 0)
@@ -358,6 +361,7 @@ class SimEngine:
         req.num_cached_blocks = full
 
     def _finish(self, req: SimRequest, aborted: bool = False) -> None:
+        self.requests_finished_total += 1
         req.finished = True
         req.aborted = aborted
         self.pool.free_blocks(reversed(req.blocks))

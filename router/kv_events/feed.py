@@ -1,0 +1,243 @@
+"""Feeds one engine's KV events into a prefix index, and watches that the feed is alive.
+
+``EventFeed`` subscribes to one engine (``router.kv_events.subscriber.KVEventSubscriber``: gaps are
+filled by replay or turned into a clear, an engine restart clears), keeps a local ownership
+record of what the engine holds (a ``MemoryPrefixIndex`` of that one replica), and writes the
+events to the shared index in batches. Where the consumer runs follows from the backend
+(docs/architecture.md, decision 2): with Redis, each replica consumes its own engine's events;
+with the in-process index, the router does.
+
+The local record makes the shared index rebuildable: when a write fails (Redis down or
+slow) the feed keeps consuming, marks itself dirty, and once the index answers again it
+rewrites the replica's entries from the record; it also notices a flushed index (the
+replica's entries vanished while the engine still holds blocks) and rewrites them.
+
+``FeedHealth`` tells whether the engine publishes events at all: when the engine's own
+counters show it computed a whole prompt block and no batch arrives within ``grace_s``, the
+feed is silent (an engine without ``--kv-events-config``, a wrong endpoint).
+The replica reports it, and the router then keeps predicted entries for that replica with
+the long TTL (approximate mode) instead of dropping to 0 % hits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from router.index.base import IndexUnavailable, PrefixIndex
+from router.index.memory import MemoryPrefixIndex
+from router.kv_events.subscriber import KVEventSubscriber
+from router.kv_events.wire import EventBatch, EventKind, KVEvent
+from router.logs import get_logger
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class FeedHealth:
+    """Liveness of one engine's event feed, judged from the engine's own counters, so it
+    holds whatever path the requests take to the engine. Times are ``time.time()`` seconds.
+
+    vLLM stores (and publishes, ``BlockStored``) every block it computes in full, and its
+    prefix-cache hits are whole blocks, so a request that computed at least ``block_size``
+    prompt tokens stored a block. Between two scrapes the engine's computed prompt tokens
+    (``prefix_cache_queries - prefix_cache_hits``) grow by ``Δc`` over at most ``n`` requests
+    (those that finished meanwhile, any reason, plus those running or waiting now); when
+    ``Δc > n·(block_size - 1)`` at least one of them computed a whole block (pigeonhole), so
+    a batch is owed. None within ``grace_s`` of that scrape: the feed is silent (an engine
+    started without ``--kv-events-config``, a wrong endpoint). A refused
+    request, or one cancelled before its prefill, computes nothing and owes nothing.
+
+    What the bound does not see: vLLM (0.32) leaves requests aborted by their client out of
+    ``request_success``, so aborts of prompts shorter than a block each, between two scrapes,
+    can add up to a block owed that no engine stores; a live feed's next batch clears it.
+    """
+
+    grace_s: float = 5.0
+    started_at: float = 0.0
+    last_batch_at: float | None = None
+    last_batch_engine_ts: float | None = None
+    owed_since: float | None = None
+    _base: tuple[float, float] | None = None  # (computed tokens, finished) counted from
+
+    def on_batch(self, engine_ts: float, now: float) -> None:
+        self.last_batch_at = now
+        self.last_batch_engine_ts = engine_ts
+        self.owed_since = None
+        self._base = None  # count again from the next scrape
+
+    def on_engine_counters(self, computed_prompt_tokens: float, finished_requests: float,
+                           unfinished_requests: float, block_size: int, now: float) -> None:
+        """One scrape of the engine's counters (cumulative ``computed_prompt_tokens`` and
+        ``finished_requests``, the gauge ``unfinished_requests`` = running + waiting)."""
+        if (self._base is None or computed_prompt_tokens < self._base[0]
+                or finished_requests < self._base[1]):  # first scrape, or engine restart
+            self._base = (computed_prompt_tokens, finished_requests)
+            return
+        computed = computed_prompt_tokens - self._base[0]
+        requests = max(finished_requests - self._base[1] + unfinished_requests, 0)
+        if computed >= block_size and computed > requests * (block_size - 1) \
+                and self.owed_since is None:
+            self.owed_since = now
+
+    def live(self, now: float) -> bool:
+        """False once a batch has been owed for ``grace_s`` and none came."""
+        t = self.owed_since
+        return t is None or now - t < self.grace_s
+
+    def lag_s(self) -> float | None:
+        """Receive time minus the engine's step time of the last batch (s)."""
+        if self.last_batch_at is None or self.last_batch_engine_ts is None:
+            return None
+        return max(self.last_batch_at - self.last_batch_engine_ts, 0.0)
+
+
+class EventFeed:
+    """Consumes one replica's engine events into ``index``.
+
+    Args:
+        replica_id: the replica the events belong to (index owner id).
+        endpoint / replay_endpoint: the engine's publisher and replay sockets.
+        index: the shared index to write, or None (only the local record and health).
+        flush_interval_s: longest time events wait before a batched write.
+        max_pending_events: write at once when this many events are pending.
+    """
+
+    def __init__(self, replica_id: str, endpoint: str, replay_endpoint: str | None,
+                 index: PrefixIndex | None, flush_interval_s: float = 0.01,
+                 max_pending_events: int = 2000, on_stats=None):
+        self.replica_id = replica_id
+        self.index = index
+        self.subscriber = KVEventSubscriber(endpoint, replay_endpoint)
+        self.record = MemoryPrefixIndex()
+        self.health = FeedHealth(started_at=time.time())
+        self.flush_interval_s = flush_interval_s
+        self.max_pending_events = max_pending_events
+        self.on_stats = on_stats
+        self.pending: list[KVEvent] = []
+        self.dirty = False
+        self.batches = 0
+        self.events_applied = 0
+        self.blocks_applied = 0
+        self.write_errors = 0
+        self.resyncs = 0
+        self._tasks: list[asyncio.Task] = []
+        self._wake = asyncio.Event()
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._tasks = [loop.create_task(self._consume()), loop.create_task(self._writer())]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._tasks = []
+
+    # --- consuming ---------------------------------------------------------------------
+    async def _consume(self) -> None:
+        from router import metrics
+
+        tags = {"replica": self.replica_id}
+        gaps = 0
+        async for item in self.subscriber.batches():
+            if self.subscriber.gaps > gaps:
+                metrics.inc("kv_event_gaps", self.subscriber.gaps - gaps, tags=tags)
+                gaps = self.subscriber.gaps
+            if isinstance(item, EventBatch):
+                self.batches += 1
+                self.health.on_batch(item.ts, time.time())
+                metrics.inc("kv_event_batches", 1, tags=tags)
+                lag = self.health.lag_s()
+                if lag is not None and not item.replayed:
+                    metrics.get("kv_event_lag").observe(lag, tags=tags)
+                events = item.events
+            else:  # "restart" or "clear": the replica's entries are unknown now
+                logger.warning("KV events of replica %s: %s; clearing its entries",
+                               self.replica_id, item)
+                events = [KVEvent(EventKind.CLEARED)]
+            self._enqueue(events)
+
+    def _enqueue(self, events: list[KVEvent]) -> None:
+        self.record.apply_events_now(self.replica_id, events)
+        self.pending.extend(events)
+        if self.pending:
+            self._wake.set()
+
+    def engine_exited(self) -> None:
+        """The engine died: it holds nothing any more. Its exact and predicted entries are
+        cleared now, not when a restarted engine's first event arrives (that can be long
+        after, and routing would meanwhile predict hits on an empty cache)."""
+        logger.warning("engine of replica %s exited; clearing its index entries",
+                       self.replica_id)
+        self._enqueue([KVEvent(EventKind.CLEARED)])
+
+    async def _writer(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=1.0)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            if len(self.pending) < self.max_pending_events:
+                await asyncio.sleep(self.flush_interval_s)  # let a burst accumulate
+            await self.flush()
+            if self.index is not None and (self.dirty or await self._entries_vanished()):
+                await self.resync()
+
+    async def flush(self) -> None:
+        """Write pending events to the index (dropped and marked dirty on failure)."""
+        if not self.pending:
+            return
+        events, self.pending = self.pending, []
+        if self.index is None:
+            return
+        if self.dirty:
+            return  # a resync will rewrite everything from the record
+        try:
+            await self.index.apply_events(self.replica_id, events)
+            self.events_applied += len(events)
+            blocks = sum(len(e.block_hashes) for e in events)
+            self.blocks_applied += blocks
+            from router import metrics
+            metrics.inc("kv_blocks_applied", blocks, tags={"replica": self.replica_id})
+        except IndexUnavailable as exc:
+            self.write_errors += 1
+            if not self.dirty:
+                logger.warning("index write for replica %s failed (%s); it will be rebuilt "
+                               "from this replica's record when the index returns",
+                               self.replica_id, exc)
+            self.dirty = True
+
+    async def _entries_vanished(self) -> bool:
+        """The index lost this replica's entries (e.g. FLUSHDB) while the engine holds blocks."""
+        held = self.record.exact_entries(self.replica_id)
+        if not held:
+            return False
+        try:
+            return await self.index.exact_entry_count(self.replica_id) == 0
+        except IndexUnavailable:
+            self.dirty = True
+            return False
+
+    async def resync(self) -> bool:
+        """Rewrite the replica's exact entries in the index from the local record."""
+        held = self.record.exact_entries(self.replica_id)
+        events: list[KVEvent] = [KVEvent(EventKind.CLEARED)]
+        for copies in range(1, max(held.values(), default=0) + 1):
+            hs = [h for h, n in held.items() if n >= copies]
+            events.append(KVEvent(EventKind.STORED, hs, parent_block_hash=0))
+        try:
+            await self.index.apply_events(self.replica_id, events)
+        except IndexUnavailable:
+            return False
+        self.dirty = False
+        self.resyncs += 1
+        logger.info("index entries of replica %s rebuilt from its record (%d blocks)",
+                    self.replica_id, len(held))
+        return True

@@ -1,0 +1,66 @@
+"""Per-replica load that the routers themselves put on the engines.
+
+A reservation is taken for every dispatched request and released on every exit path (the
+ingress releases it in a ``finally``; docs/fault-cases.md 1.2 and 5.1):
+
+* ``inflight``: requests dispatched to the replica and not finished;
+* ``prefill_tokens``: uncached prompt tokens of those requests that have not produced a
+  first token yet (the prefill work queued ahead of a new request, docs/architecture.md, decision
+  4);
+* ``last_assigned_s``: when the replica was last given a request: among otherwise equal
+  candidates the one that waited longest wins (a rotating tie-break), the signal that
+  spreads cold starts when nothing is in flight (docs/fault-cases.md 1.4). A restarted replica gets
+  its turn, not a catch-up burst.
+
+Backends beside this interface: ``memory.py`` (in-process, the default) and ``redis.py``
+(shared by every router, with leases that survive a router's death).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass
+class ReplicaLoad:
+    """Load of one replica: ``inflight`` requests, ``prefill_tokens`` queued for prefill,
+    ``last_assigned_s`` time of its last assignment (clock seconds, 0 = never)."""
+
+    inflight: int = 0
+    prefill_tokens: int = 0
+    last_assigned_s: float = 0.0
+
+
+@dataclass
+class Reservation:
+    replica: str
+    prefill_tokens: int
+    prefill_done: bool = False
+
+
+class LoadTracker(ABC):
+    """Reservations of load per replica. All methods are coroutines and never block."""
+
+    @abstractmethod
+    async def loads(self, replicas: Sequence[str]) -> dict[str, ReplicaLoad]:
+        """Current load of each of ``replicas`` (zeros for unknown ones)."""
+
+    @abstractmethod
+    async def reserve(self, request_id: str, replica: str, prefill_tokens: int) -> None:
+        """Count ``request_id`` on ``replica``; replaces an earlier reservation of the same id."""
+
+    @abstractmethod
+    async def prefill_done(self, request_id: str) -> None:
+        """The request's first token arrived: its prefill tokens leave the queue."""
+
+    @abstractmethod
+    async def release(self, request_id: str) -> None:
+        """The request finished (success, error or disconnect). Idempotent."""
+
+    async def remove_replica(self, replica: str) -> None:
+        """Forget a replica's load (it left the deployment)."""
+
+    async def close(self) -> None:
+        pass

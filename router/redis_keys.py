@@ -1,0 +1,175 @@
+"""Every Redis key name and every Lua script of the router, in one place.
+
+Key layout (``<ns>`` is ``Settings.index_namespace``; only hashes and counters, never text):
+
+* ``<ns>:x:<replica>``: hash ``block hash -> physical copies`` the engine holds (exact
+  entries, from KV events; ``lua/apply_events.lua``);
+* ``<ns>:p:<replica>``: hash ``block hash -> expiry (ms)`` of predicted entries; the hash
+  expires with its latest entry and expired fields are swept a few at a time on each write
+  (Redis 7.0 has no per-field TTL; ``lua/record_predicted.lua``);
+* ``<ns>:replicas``: set of the replicas with entries (for ``stats``);
+* ``<ns>:load``: hash with ``<replica>:n`` (requests in flight), ``<replica>:p`` (queued
+  prefill tokens), ``<replica>:t`` (time of its last assignment, ms) (``LoadField``);
+* ``<ns>:leases``: hash ``request id -> "replica|prefill tokens|prefill done (0/1)|router
+  id"`` (``lua/lease.lua``);
+* ``<ns>:router:<id>``: a router's heartbeat, expiring after its TTL; the leases of a router
+  whose heartbeat is gone are released by any router's sweep;
+* ``<ns>:rate:<tenant digest>:<kind>:<window>``: a tenant's requests or tokens in one
+  minute window (``lua/rate_limit.lua``; the tenant's name is not stored, only the first 16
+  hex digits of its SHA-256).
+
+The scripts live beside this module in ``lua/``; ``Scripts`` registers them on a client by
+name.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+_LUA_DIR = Path(__file__).with_name("lua")
+
+
+class RedisKeys:
+    """The key names of one namespace.
+
+    Args:
+        namespace: the prefix of every key (``Settings.index_namespace``).
+    """
+
+    def __init__(self, namespace: str):
+        self.namespace = namespace
+        self.load = f"{namespace}:load"
+        self.leases = f"{namespace}:leases"
+        self.replicas = f"{namespace}:replicas"
+        self.router_prefix = f"{namespace}:router:"
+
+    def exact(self, replica: str) -> str:
+        """The replica's exact entries (block hash -> copies)."""
+        return f"{self.namespace}:x:{replica}"
+
+    def predicted(self, replica: str) -> str:
+        """The replica's predicted entries (block hash -> expiry ms)."""
+        return f"{self.namespace}:p:{replica}"
+
+    def replica_entries(self, replica: str) -> list[str]:
+        """The replica's exact then predicted hash: the pair ``lua/route.lua`` reads per
+        candidate."""
+        return [self.exact(replica), self.predicted(replica)]
+
+    def heartbeat(self, router_id: str) -> str:
+        """A router's heartbeat key."""
+        return self.router_prefix + router_id
+
+    def rate(self, tenant: str, kind: str, window: int) -> str:
+        """A tenant's counter of ``kind`` (``requests`` or ``tokens``) in window number
+        ``window`` (now // window length)."""
+        import hashlib
+
+        digest = hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+        return f"{self.namespace}:rate:{digest}:{kind}:{window}"
+
+    def pattern(self) -> str:
+        """``SCAN`` pattern of every key of the namespace."""
+        return f"{self.namespace}:*"
+
+
+class LoadField(str, Enum):
+    """The suffixes of a replica's fields in the load hash (``<replica>:<suffix>``)."""
+
+    INFLIGHT = "n"
+    PREFILL_TOKENS = "p"
+    LAST_ASSIGNED_MS = "t"
+
+    def of(self, replica: str) -> str:
+        """The field name for ``replica``."""
+        return f"{replica}:{self.value}"
+
+
+class EventOp(str, Enum):
+    """The op letters of ``lua/apply_events.lua``."""
+
+    STORED = "s"            # BlockStored with a parent: one more copy of each hash
+    STORED_FROM_ROOT = "S"  # BlockStored from block 0: a copy of each hash not yet held
+    REMOVED = "r"           # BlockRemoved: one copy fewer
+    CLEARED = "c"           # AllBlocksCleared: drop the replica's exact and predicted entries
+    PURGE = "x"             # the replica left: drop its entries
+
+
+def load_lua(name: str) -> str:
+    """Source of ``router/lua/<name>.lua``.
+
+    Raises:
+        FileNotFoundError: no such script.
+    """
+    return (_LUA_DIR / f"{name}.lua").read_text()
+
+
+class Scripts:
+    """The router's Lua scripts registered on one client (``redis.asyncio.Redis``), by
+    name: ``route``, ``lease``, ``record_predicted``, ``apply_events``, ``rate_limit``.
+    Registering sends nothing; the first call loads a script (``EVALSHA``, then ``EVAL``
+    on a miss)."""
+
+    NAMES = ("route", "lease", "record_predicted", "apply_events", "rate_limit")
+    _sources: dict[str, str] = {}
+    route: Any  # redis.commands.core.AsyncScript, each
+    lease: Any
+    record_predicted: Any
+    apply_events: Any
+    rate_limit: Any
+
+    def __init__(self, client):
+        for name in self.NAMES:
+            src = self._sources.get(name)
+            if src is None:
+                src = self._sources[name] = load_lua(name)
+            setattr(self, name, client.register_script(src))
+
+
+class ScriptCache:
+    """``Scripts`` per client: one registration per client (one client per event loop)."""
+
+    def __init__(self):
+        self._by_client: dict[int, Scripts] = {}
+
+    def of(self, client) -> Scripts:
+        """The scripts registered on ``client``."""
+        s = self._by_client.get(id(client))
+        if s is None:
+            s = self._by_client[id(client)] = Scripts(client)
+        return s
+
+
+# Every command the router sends to Redis, its scripts' own calls included (Redis checks
+# those against the caller's ACL too); redis-py's script calls need EVALSHA, and EVAL or
+# SCRIPT LOAD / SCRIPT EXISTS when a script is not cached yet (its CLIENT SETINFO on connect,
+# Redis 7.2+, may be refused: redis-py ignores the error). tests/test_index.py and
+# tests/test_route_lua.py run under exactly this set.
+ACL_COMMANDS = (
+    "evalsha", "eval", "script|load", "script|exists", "multi", "exec", "discard", "ping",
+    "get", "set", "del", "exists", "scan", "pexpire", "pexpireat", "pttl", "incrby",
+    "hget", "hmget", "hset", "hsetnx", "hdel", "hincrby", "hgetall", "hscan", "hlen",
+    "sadd", "srem", "smembers",
+)
+
+
+def acl_rules(namespace: str = "prefix-router") -> list[str]:
+    """The rules of a Redis ACL user (``ACL SETUSER <user> on ><password> <rules...>``)
+    that may do what the router does and nothing else: its commands (``ACL_COMMANDS``),
+    on the keys of ``namespace`` only, with no pub/sub channel."""
+    return ["resetkeys", f"~{namespace}:*", "resetchannels", "-@all",
+            *(f"+{c}" for c in ACL_COMMANDS)]
+
+
+def pack_hashes(block_hashes) -> str:
+    """Block hashes (unsigned ints) as the one space-separated decimal argument that
+    ``lua/route.lua`` takes: one string to encode instead of one argument per block."""
+    return " ".join(map(str, block_hashes))
+
+
+if __name__ == "__main__":  # python -m router.redis_keys [namespace]: the ACL rules to set
+    import sys
+
+    print(" ".join(acl_rules(*sys.argv[1:2])))

@@ -1,0 +1,455 @@
+"""One routing decision: index lookup, load, policy, predicted entries and reservation.
+
+``RoutingCore`` is independent of Ray: the Ray ``RequestRouter`` (``router.serve.request_router``)
+calls it with the candidate replicas Serve offers, and the virtual-time simulator
+(``loadtest``) calls it with simulated replicas, so both run the same code.
+
+A decision never fails because of the index: when the lookup raises ``IndexUnavailable``
+(Redis slow or down) the policy sees only this router's own recent decisions
+(``RecentDecisions``: a conversation's next turn stays where this router sent the last one)
+and otherwise decides by load; the fallback is counted, and the next lookups try again
+(docs/architecture.md, decision 7).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from router.config import Settings
+from router.hashing import HashSettings
+from router.index.base import IndexUnavailable, PrefixIndex
+from router.load.base import LoadTracker
+from router.logs import get_logger
+from router.policy import (
+    Candidate,
+    Decision,
+    Policy,
+    PrefixAware,
+    RouteRequest,
+    cached_tokens,
+)
+from router.routing.recent import RecentDecisions
+from router.routing.replica import ReplicaInfo, hash_mismatches
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class RouteInput:
+    """One request as routing sees it.
+
+    Attributes:
+        request_id: the id its load reservation is kept under.
+        prompt_tokens: prompt length (tokens).
+        block_hashes: its full blocks' chained hashes, in prompt order.
+        cacheable: False for a request whose cached blocks the router cannot know (routed
+            by load, and no predicted entries written).
+        text / first_user_text: the prompt's characters, for the policies that read them
+            (``Policy.uses_text``; only the simulator supplies them).
+        session: its session's key (``router.routing.sessions.session_key``), or None.
+    """
+
+    request_id: str
+    prompt_tokens: int
+    block_hashes: Sequence[int]
+    cacheable: bool = True
+    text: str = ""
+    first_user_text: str = ""
+    session: str | None = None
+
+
+class RoutingCore:
+    """Decides where each request goes.
+
+    Args:
+        settings: router settings (policy knobs, TTLs).
+        index: the prefix index (memory or Redis).
+        load: the load tracker.
+        policy: the routing policy.
+        on_index_error: called with the exception and the operation when the index fails
+            (metrics hook).
+        health: circuit breakers (``router.routing.health.ReplicaHealth``) or None.
+        atomic: the one-round-trip decision (``router.routing.atomic.AtomicRoute``) over
+            this index and load tracker, where both are in one Redis; None otherwise.
+        sessions: the session pins (``router.routing.sessions``), or None (no affinity).
+    """
+
+    def __init__(self, settings: Settings, index: PrefixIndex, load: LoadTracker,
+                 policy: Policy, on_index_error=None, health=None, atomic=None,
+                 sessions=None):
+        self.settings = settings
+        self.health = health
+        self.hash_settings: HashSettings = settings.hash_settings
+        self.index = index
+        self.load = load
+        self.policy = policy
+        self.on_index_error = on_index_error
+        self.atomic = atomic
+        self.sessions = sessions
+        self.index_available = True
+        self.recent = RecentDecisions(load.clock)
+        self._mismatch_logged: set[str] = set()
+        self._restarts_seen: dict[str, int] = {}
+
+    def usable(self, replica: ReplicaInfo) -> bool:
+        """Not known dead (its engine reported down, or its circuit is open). A replica
+        whose engine was restarted since its failures starts with a closed circuit."""
+        if replica.stats.engine_alive is False:
+            return False
+        if self.health is None:
+            return True
+        restarts = replica.stats.restarts
+        if restarts is not None and restarts != self._restarts_seen.get(replica.replica_id,
+                                                                        restarts):
+            self.health.forget(replica.replica_id)
+        if restarts is not None:
+            self._restarts_seen[replica.replica_id] = restarts
+        return self.health.available(replica.replica_id)
+
+    def compatible(self, replica: ReplicaInfo) -> bool:
+        """Whether the replica's engine hashes blocks as the router does.
+
+        A replica with no metadata yet is assumed compatible (it reports on readiness); one
+        whose advertised settings differ is refused loudly: logged once, and never given
+        cache-aware traffic (a silent 0 % hit rate otherwise, docs/fault-cases.md 3.2 and 3.3).
+        """
+        bad = hash_mismatches(self.hash_settings, replica.metadata)
+        if bad and replica.replica_id not in self._mismatch_logged:
+            self._mismatch_logged.add(replica.replica_id)
+            logger.error(
+                "replica %s hashes blocks differently from this router (%s): router %s, "
+                "replica %s; it is excluded from routing", replica.replica_id, ", ".join(bad),
+                self.hash_settings.as_dict(), replica.metadata.hash_settings)
+        return not bad
+
+    async def decide(self, request_id: str, prompt_tokens: int, block_hashes: Sequence[int],
+                     replicas: Sequence[ReplicaInfo], cacheable: bool = True,
+                     policy: Policy | None = None,
+                     text: str = "", first_user_text: str = "",
+                     session: str | None = None) -> Decision:
+        """Choose a replica among ``replicas`` (non-empty) and reserve its load.
+
+        Replicas known dead are left out, and so are those that hash blocks differently
+        (unless none other remains). With Redis and ``prefix_aware``, the decision is one
+        script (``atomic``); otherwise the index is looked up and the policy chooses here.
+        When the index fails, the decision is a fallback: the policy sees this router's
+        recent decisions only (``RecentDecisions``) and no predicted entries are written.
+
+        A request of a session (``session``: its ``router.routing.sessions.session_key``)
+        goes to the replica its session is pinned to while that replica is usable and not
+        overloaded (``reason`` ``session``); otherwise it is decided as any other and its
+        session is pinned to the choice (first turn) or moved there (the pin yielded).
+
+        Args:
+            policy: overrides the core's policy for this decision.
+            text / first_user_text: the prompt's characters, for the anchors' policies.
+            session: the request's session key, or None.
+        Returns:
+            The policy's ``Decision``; ``reason`` is ``fallback`` when the index failed,
+            ``session`` when the session's pin decided.
+        """
+        inp = RouteInput(request_id, prompt_tokens, block_hashes, cacheable, text,
+                         first_user_text, session)
+        policy = policy or self.policy
+        usable = [r for r in replicas if self.usable(r)] or list(replicas)
+        compatible = [r for r in usable if self.compatible(r)]
+        pool = compatible or usable
+        # the index is consulted only over candidates that hash blocks as the router does
+        cache_aware = bool(block_hashes) and cacheable and bool(compatible)
+        decision = None
+        index_failed = False
+        pinned, outcome = None, None
+        if session and self.sessions is not None:
+            pinned, outcome = await self._session_pin(session, pool)
+            if outcome == "kept":
+                decision = await self._decide_pinned(inp, pool, pinned, cache_aware)
+        if decision is None and cache_aware and self.atomic is not None \
+                and self.atomic.supports(policy):
+            try:
+                decision = await self._decide_atomic(inp, pool, policy)
+            except IndexUnavailable as exc:
+                self._index_error(exc, "route")
+                index_failed = True
+        if decision is None:
+            decision = await self._decide_here(inp, pool, policy, cache_aware, index_failed)
+        if session and self.sessions is not None and outcome != "kept":
+            decision, outcome = await self._pin_session(inp, pool, session, decision, outcome,
+                                                        cache_aware)
+        if outcome is not None:
+            from router import metrics
+            metrics.inc("sessions", tags={"outcome": outcome})
+        if cache_aware:
+            self.recent.record(decision.replica, block_hashes, self.settings.predicted_ttl_s)
+        if self.health is not None:
+            self.health.routed(decision.replica)  # a half-open replica's probe
+        return decision
+
+    async def _session_pin(self, session: str, pool: Sequence[ReplicaInfo]
+                           ) -> tuple[str | None, str | None]:
+        """The replica ``session`` is pinned to and what becomes of the pin: ``kept`` (the
+        replica is usable and not overloaded), ``new`` (no pin yet), ``yielded_dead`` (the
+        replica left or is down), ``yielded_overloaded``, or ``unavailable`` (the store
+        failed: the request is decided as one without a session)."""
+        try:
+            pinned = await self.sessions.get(session)
+        except IndexUnavailable as exc:
+            self._index_error(exc, "session")
+            return None, "unavailable"
+        if pinned is None:
+            return None, "new"
+        if not any(r.replica_id == pinned for r in pool):
+            return pinned, "yielded_dead"
+        if await self._overloaded(pinned, pool):
+            return pinned, "yielded_overloaded"
+        return pinned, "kept"
+
+    async def _overloaded(self, replica: str, pool: Sequence[ReplicaInfo]) -> bool:
+        """Whether a session's replica is too busy to keep it: at the admission bound
+        (``max_inflight_per_replica``), or with more than ``session_overload_factor``
+        times the pool's mean requests in flight (plus one) while another has fewer."""
+        ids = [r.replica_id for r in pool]
+        if len(ids) < 2:
+            return False
+        loads = await self.load.loads(ids)
+        mine = loads[replica].inflight
+        bound = self.settings.max_inflight_per_replica
+        if bound is not None and mine >= bound:
+            return True
+        mean = sum(v.inflight for v in loads.values()) / len(ids)
+        least = min(v.inflight for v in loads.values())
+        return mine > self.settings.session_overload_factor * mean + 1 and least < mine
+
+    async def _decide_pinned(self, inp: RouteInput, pool: Sequence[ReplicaInfo], replica: str,
+                             cache_aware: bool) -> Decision:
+        """The session's replica serves the request: its match (for the prediction), the
+        reservation, the predicted entries, and the pin's TTL refreshed."""
+        matched = 0
+        if cache_aware:
+            try:
+                matched = (await self.index.lookup(inp.block_hashes, [replica]))[replica]
+            except IndexUnavailable as exc:
+                self._index_error(exc, "lookup")
+                matched = self.recent.lookup(inp.block_hashes, [replica])[replica]
+        bs = self.hash_settings.block_size
+        predicted = {replica: cached_tokens(matched, inp.prompt_tokens, bs)}
+        await self.load.reserve(inp.request_id, replica,
+                                max(inp.prompt_tokens - predicted[replica], 0))
+        info = next(r for r in pool if r.replica_id == replica)
+        if cache_aware:
+            await self.record(replica, inp.block_hashes, self.predicted_ttl_s(info))
+        try:
+            await self.sessions.pin(inp.session, replica, self.settings.session_ttl_s)
+        except IndexUnavailable as exc:
+            self._index_error(exc, "session")
+        rest = [r.replica_id for r in pool if r.replica_id != replica]
+        return Decision([replica] + rest, "session", predicted)
+
+    async def _pin_session(self, inp: RouteInput, pool: Sequence[ReplicaInfo], session: str,
+                           decision: Decision, outcome: str | None,
+                           cache_aware: bool) -> tuple[Decision, str | None]:
+        """After a decision without the pin: pin the session to the choice. A first turn
+        pins only if no other router pinned it meanwhile (``pin_first``); if one did, the
+        request moves to that replica (``joined``), so concurrent first turns meet."""
+        ttl = self.settings.session_ttl_s
+        try:
+            if outcome == "new":
+                winner = await self.sessions.pin_first(session, decision.replica, ttl)
+                info = next((r for r in pool if r.replica_id == winner), None)
+                if winner != decision.replica and info is not None:
+                    predicted = dict(decision.predicted_cached_tokens)
+                    await self.load.reserve(inp.request_id, winner, max(
+                        inp.prompt_tokens - predicted.get(winner, 0), 0))
+                    if cache_aware:
+                        await self.record(winner, inp.block_hashes, self.predicted_ttl_s(info))
+                    rest = [r for r in decision.ranked if r != winner]
+                    return Decision([winner] + rest, "session", predicted), "joined"
+                if winner != decision.replica:  # pinned to a replica that is gone
+                    await self.sessions.pin(session, decision.replica, ttl)
+            elif outcome is not None and outcome.startswith("yielded"):
+                await self.sessions.pin(session, decision.replica, ttl)
+        except IndexUnavailable as exc:
+            self._index_error(exc, "session")
+            return decision, "unavailable"
+        return decision, outcome
+
+    async def _decide_here(self, inp: RouteInput, pool: Sequence[ReplicaInfo], policy: Policy,
+                           cache_aware: bool, index_failed: bool) -> Decision:
+        """The policy chooses in this process: index lookup (or this router's recent
+        decisions when the index failed), loads, choice, reservation, predicted entries."""
+        ids = [r.replica_id for r in pool]
+        use_index = cache_aware and policy.uses_index
+        matched: dict[str, int] = {}
+        if use_index and not index_failed:
+            try:
+                matched = await self.index.lookup(inp.block_hashes, ids)
+                self.index_available = True
+            except IndexUnavailable as exc:
+                index_failed = True
+                self._index_error(exc, "lookup")
+        if use_index and index_failed:
+            matched = self.recent.lookup(inp.block_hashes, ids)
+        loads = await self.load.loads(ids)
+        rate = self.fleet_prefill_rate(pool)
+        candidates = [
+            Candidate(replica=r.replica_id, matched_blocks=matched.get(r.replica_id, 0),
+                      load=loads[r.replica_id], prefill_tokens_per_s=rate,
+                      decode_step_s_per_seq=self.settings.decode_step_s,
+                      kv_usage_frac=r.stats.kv_usage_frac, waiting=r.stats.waiting,
+                      active_blocks=r.stats.active_blocks)
+            for r in pool]
+        req = RouteRequest(prompt_tokens=inp.prompt_tokens,
+                           block_size=self.hash_settings.block_size,
+                           num_blocks=len(inp.block_hashes), cacheable=inp.cacheable,
+                           text=inp.text, first_user_text=inp.first_user_text)
+        decision = policy.choose(req, candidates)
+        policy.on_routed(req, decision.replica, self.load.clock.now())
+        if index_failed:
+            decision.reason = "fallback"
+        chosen = decision.replica
+        uncached = max(inp.prompt_tokens - decision.predicted_cached_tokens.get(chosen, 0), 0)
+        await self.load.reserve(inp.request_id, chosen, uncached)
+        if cache_aware and not index_failed:
+            chosen_info = next(r for r in pool if r.replica_id == chosen)
+            await self.record(chosen, inp.block_hashes, self.predicted_ttl_s(chosen_info))
+        return decision
+
+    async def _decide_atomic(self, inp: RouteInput, pool: Sequence[ReplicaInfo],
+                             policy: PrefixAware) -> Decision:
+        """The prefix_aware decision as one Redis script: several routers are serialised,
+        so a burst does not pile onto one replica (``router.routing.atomic``)."""
+        ids = [r.replica_id for r in pool]
+        bs = self.hash_settings.block_size
+        chosen, matched = await self.atomic.route(
+            inp.request_id, inp.prompt_tokens, inp.block_hashes, ids,
+            [self.predicted_ttl_s(r) for r in pool], block_size=bs,
+            prefill_rate=self.fleet_prefill_rate(pool), work_weight=policy.work_weight,
+            decode_step_s_per_seq=self.settings.decode_step_s,
+            step_token_budget=policy.step_token_budget, tie_abs_s=policy.tie_abs_s,
+            tie_rel=policy.tie_rel, u=policy.rng.random(), load_factor=policy.load_factor)
+        self.index_available = True
+        predicted = {r: cached_tokens(m, inp.prompt_tokens, bs) for r, m in matched.items()}
+        rest = sorted((r for r in ids if r != chosen), key=lambda r: -predicted[r])
+        return Decision([chosen] + rest, "cache" if predicted[chosen] > 0 else "load",
+                        predicted)
+
+    def predicted_ttl_s(self, replica: ReplicaInfo) -> float:
+        """Short TTL while the replica's KV events flow (exact entries take over), the long
+        one when its engine publishes none (approximate mode, docs/fault-cases.md 8.2)."""
+        if replica.stats.kv_events_live is False:
+            return self.settings.predicted_ttl_s
+        return self.settings.predicted_ttl_with_events_s
+
+    def fleet_prefill_rate(self, replicas: Sequence[ReplicaInfo]) -> float:
+        """Prefill rate (tokens/s) used for every candidate: the median of the replicas'
+        measured rates, or ``Settings.prefill_tokens_per_s`` before any measurement.
+
+        One rate for the fleet (replicas of one deployment run one model on one kind of
+        hardware): a per-replica rate would be unmeasured on a replica that has had no
+        traffic yet, and noise between equal engines would decide cold starts instead of
+        load (a replica measured once as faster would take every cold start).
+        """
+        rates = sorted(float(r.stats.prefill_tokens_per_s) for r in replicas
+                       if r.stats.prefill_rate_measured and r.stats.prefill_tokens_per_s)
+        if not rates:
+            return self.settings.prefill_tokens_per_s
+        return rates[len(rates) // 2]
+
+    async def record(self, replica: str, block_hashes: Sequence[int], ttl_s: float) -> None:
+        """Write predicted entries for ``replica``; an index failure is counted, not raised."""
+        try:
+            await self.index.record_predicted(replica, block_hashes, ttl_s)
+        except IndexUnavailable as exc:
+            self._index_error(exc, "record")
+
+    async def moved(self, request_id: str, replica: ReplicaInfo, prompt_tokens: int,
+                    block_hashes: Sequence[int], predicted_cached_tokens: int) -> None:
+        """Serve sent the request to ``replica``, not the router's choice: move its
+        reservation and predicted entries there."""
+        if self.health is not None:
+            self.health.routed(replica.replica_id)
+        await self.load.reserve(request_id, replica.replica_id,
+                                max(prompt_tokens - predicted_cached_tokens, 0))
+        if block_hashes:
+            self.recent.record(replica.replica_id, block_hashes, self.settings.predicted_ttl_s)
+            await self.record(replica.replica_id, block_hashes, self.predicted_ttl_s(replica))
+
+    async def remove_replica(self, replica: str) -> None:
+        """Purge a replica that left the deployment from the index and the load tracker."""
+        try:
+            await self.index.remove_replica(replica)
+        except IndexUnavailable as exc:
+            self._index_error(exc, "remove_replica")
+        await self.load.remove_replica(replica)
+        self.recent.remove_replica(replica)
+        if self.health is not None:
+            self.health.forget(replica)
+
+    def _index_error(self, exc: Exception, op: str) -> None:
+        if self.index_available:
+            logger.warning("prefix index unavailable (%s): routing by load until it returns",
+                           exc)
+        self.index_available = False
+        if self.on_index_error:
+            self.on_index_error(exc, op)
+
+
+def _admission():
+    """This process's admission queue (``router.serve.admission``), if an ingress runs here."""
+    from router.serve import state
+
+    return state.peek("admission")
+
+
+async def route_request(core: RoutingCore, req, replicas: Sequence[ReplicaInfo],
+                        policy: Policy) -> Decision:
+    """Decide one ``RoutedRequest`` (``router.serve.protocol``) among ``replicas`` (non-empty),
+    write the decision into it and count it: the one routing step of both data paths (the
+    Ray ``RequestRouter`` on Serve's handle path, the ingress itself on the direct path).
+
+    Replicas a failed first attempt used (``req.excluded_replicas``) are left out unless
+    no other remains. Sets ``req.routed_replica``, ``predicted_cached_tokens``,
+    ``routing_reason`` and, on a first attempt, ``routing_s`` (arrival at the ingress to
+    this decision, s). A reservation made for a request whose ingress is already done with
+    it (``req.closed``: the client left meanwhile) is released at once.
+
+    Raises:
+        Exception: whatever the decision raised (a bug); the caller routes by load then.
+            A cancelled decision releases what it may have reserved.
+    """
+    import asyncio
+    import time
+
+    from router import metrics
+
+    pool = [r for r in replicas if r.replica_id not in req.excluded_replicas] or list(replicas)
+    metrics.get("replicas_without_kv_events").set(
+        sum(1 for r in pool if r.stats.kv_events_live is False))
+    t0 = time.perf_counter()
+    try:
+        decision = await core.decide(req.request_id, req.prompt_tokens, req.block_hashes,
+                                     pool, cacheable=bool(req.block_hashes), policy=policy,
+                                     session=req.session_key)
+    except BaseException:  # cancelled mid-decision: a reservation may exist; drop it
+        asyncio.get_running_loop().create_task(core.load.release(req.request_id))
+        raise
+    if req.closed:  # the ingress is done with it already (client gone)
+        await core.load.release(req.request_id)
+    admission = _admission()
+    if admission is not None:  # the reservation now counts in the load: the hold ends
+        admission.reserved(req.request_id)
+    now = time.perf_counter()
+    if decision.reason != "fallback":
+        metrics.get("index_available").set(1)
+    req.routed_replica = decision.replica
+    req.predicted_cached_tokens = dict(decision.predicted_cached_tokens)
+    req.routing_reason = decision.reason
+    metrics.inc("decisions", tags={"reason": decision.reason, "policy": policy.name})
+    metrics.inc("predicted_blocks",
+                decision.predicted_cached_tokens.get(decision.replica, 0)
+                // core.hash_settings.block_size, tags={"replica": decision.replica})
+    metrics.get("decision_time").observe(now - t0, tags={"policy": policy.name})
+    if req.t_arrival and not req.excluded_replicas:  # first attempt: arrival to dispatch
+        req.routing_s = now - req.t_arrival
+        metrics.get("overhead").observe(req.routing_s, tags={"policy": policy.name})
+    return decision

@@ -1,0 +1,224 @@
+"""Admission: overload answered by fast refusals, not by ever longer queues.
+
+With ``Settings.max_inflight_per_replica`` set, a request is admitted while some usable
+replica has fewer requests in flight than that bound (the shared load: every router's
+requests, from the load tracker). When every replica is at its bound, the request waits in
+this ingress's queue, ordered by priority (lower first, as vLLM's ``priority`` field) and then
+by arrival, for at most ``Settings.queue_timeout_s``. Past that it is refused with a 429 and a
+``Retry-After`` header, so a client under overload learns it in a bounded time and backs off
+(OpenAI answers rate limits and overload the same way). A request that cannot be admitted
+in time is refused at once: the queue drains at a measured rate (the slots handed out in
+the last seconds), so a request with ``k`` requests ahead of it would wait about
+``k / rate``; past ``queue_timeout_s`` it gets its 429 on arrival, not after waiting for it.
+Bursts within the fleet's capacity wait; sustained overload is refused fast. Only the head
+of the queue looks at the load. It looks again every ``poll_s`` and at once when this process releases a request,
+so the queue drains as fast as the fleet frees slots.
+
+The bound is soft across router processes. Two ingresses may each admit into the last free
+slot at the same moment, so the fleet can exceed it by at most one request per ingress
+process. Within a process, requests admitted but not yet reserved count as taken
+(``reserved`` ends that, called by ``route_request`` once the decision holds its
+reservation), so concurrent looks do not hand out one slot twice. While a bound is set,
+each admission costs one load read (one Redis round trip with the Redis tracker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import math
+import threading
+import time
+from collections import deque
+from typing import Callable, Sequence
+
+from router import metrics
+from router.load.base import LoadTracker
+from router.logs import get_logger
+from router.serve.errors import OpenAIError
+
+logger = get_logger(__name__)
+
+
+def overloaded(timeout_s: float, retry_after_s: int) -> OpenAIError:
+    """The 429 of a request that found every replica at its bound for ``timeout_s``."""
+    return OpenAIError(429, f"every engine replica is at its bound of requests in flight and "
+                            f"none freed a slot within {timeout_s:g} s; retry after "
+                            f"{retry_after_s} s", "RateLimitError",
+                       headers={"retry-after": str(retry_after_s)})
+
+
+class Admission:
+    """The ingress's admission queue.
+
+    Args:
+        load: the load tracker (shared loads; its local fallback when Redis fails).
+        bound: requests in flight per replica at which a replica counts as full; None
+            admits everything at once (no queue).
+        timeout_s: longest wait in the queue (s) before the 429.
+        retry_after_s: the ``Retry-After`` of the 429 (s).
+        poll_s: how often the head of the queue reads the load while it waits (s).
+    """
+
+    def __init__(self, load: LoadTracker, bound: int | None, timeout_s: float = 2.0,
+                 retry_after_s: int = 1, poll_s: float = 0.01):
+        self.load = load
+        self.bound = bound
+        self.timeout_s = timeout_s
+        self.retry_after_s = retry_after_s
+        self.poll_s = poll_s
+        self._queue: list[tuple] = []  # (priority, seq, turn, request id), a heap
+        self._seq = itertools.count()
+        self._pending: set[str] = set()  # admitted here, not reserved yet
+        self._pending_lock = threading.Lock()  # reserved() comes from the Ray router's loop too
+        self._wake: asyncio.Event | None = None
+        self._head_task: asyncio.Task | None = None
+        self._grants: deque[float] = deque(maxlen=256)  # when slots were handed out
+
+    RATE_WINDOW_S = 10.0
+
+    def drain_rate(self, now: float | None = None) -> float | None:
+        """Slots handed out per second over the last ``RATE_WINDOW_S`` (s; at once or from
+        the queue: while every slot is taken, the rate slots free up), or None before 4
+        were (then every request may wait)."""
+        now = time.monotonic() if now is None else now
+        recent = [t for t in self._grants if now - t <= self.RATE_WINDOW_S]
+        if len(recent) < 4:
+            return None
+        return len(recent) / max(now - recent[0], 1e-3)
+
+    @property
+    def waiting(self) -> int:
+        """Requests in this process's queue now."""
+        return len(self._queue)
+
+    def released(self) -> None:
+        """This process released a request: the head of the queue looks again at once."""
+        if self._wake is not None:
+            self._wake.set()
+
+    def reserved(self, request_id: str) -> None:
+        """``request_id`` now holds its load reservation (it counts in the shared load), or
+        failed before it could: its admission slot is no longer held here. Idempotent, and
+        safe from any thread."""
+        with self._pending_lock:
+            self._pending.discard(request_id)
+
+    def _take(self, request_id: str) -> None:
+        with self._pending_lock:
+            self._pending.add(request_id)
+
+    async def _room(self, replicas: Sequence[str]) -> int:
+        if not replicas:  # the replica set is not known yet: nothing to count slots on
+            return 1
+        loads = await self.load.loads(list(replicas))
+        free = sum(max(self.bound - loads[r].inflight, 0) for r in replicas)
+        with self._pending_lock:
+            return free - len(self._pending)
+
+    async def admit(self, request_id: str, replicas: Callable[[], Sequence[str]],
+                    priority: int = 0) -> float:
+        """Wait for a slot for ``request_id``; returns the time waited (s). ``reserved``
+        must follow once the request holds its reservation, or has failed before.
+
+        Args:
+            replicas: the usable replicas' ids now (called at each look).
+            priority: lower goes first (vLLM's convention); ties by arrival.
+        Raises:
+            OpenAIError: 429 with ``Retry-After`` after ``timeout_s`` without a slot, or at
+                once when the queue's drain rate says it would not get one in time.
+        """
+        t0 = time.monotonic()
+        if self.bound is None:
+            return 0.0
+        if not self._queue and await self._room(replicas()) > 0 and not self._queue:
+            self._take(request_id)
+            self._grants.append(time.monotonic())
+            return 0.0
+        rate = self.drain_rate()
+        ahead = sum(1 for e in self._queue if e[0] <= priority and not e[2].done())
+        if rate is not None and (ahead + 1) / rate > self.timeout_s:
+            metrics.inc("admission_refused", tags={"reason": "overloaded"})
+            raise overloaded(self.timeout_s, self.retry_after_s)  # it would time out anyway
+        loop = asyncio.get_running_loop()
+        turn: asyncio.Future = loop.create_future()
+        entry = (priority, next(self._seq), turn, request_id)
+        heapq.heappush(self._queue, entry)
+        metrics.get("admission_waiting").set(len(self._queue))
+        if self._head_task is None or self._head_task.done():
+            self._head_task = loop.create_task(self._serve_queue(replicas))
+        try:
+            await asyncio.wait_for(asyncio.shield(turn), self.timeout_s)
+        except TimeoutError:
+            if turn.done() and not turn.cancelled():  # admitted at the last moment
+                return time.monotonic() - t0
+            self._drop(entry)
+            metrics.inc("admission_refused", tags={"reason": "overloaded"})
+            raise overloaded(self.timeout_s, self.retry_after_s) from None
+        except asyncio.CancelledError:  # the client left while waiting
+            self.reserved(request_id)  # a slot it was just given goes back
+            self._drop(entry)
+            raise
+        waited = time.monotonic() - t0
+        metrics.get("admission_wait").observe(waited)
+        return waited
+
+    def _drop(self, entry) -> None:
+        try:
+            self._queue.remove(entry)
+            heapq.heapify(self._queue)
+        except ValueError:
+            pass
+        if not entry[2].done():
+            entry[2].cancel()
+        metrics.get("admission_waiting").set(len(self._queue))
+
+    async def _serve_queue(self, replicas: Callable[[], Sequence[str]]) -> None:
+        """Hand slots to the queue's head while it is not empty."""
+        self._wake = asyncio.Event()
+        while self._queue:
+            head = self._queue[0]
+            if head[2].done():  # timed out or left
+                heapq.heappop(self._queue)
+                continue
+            try:
+                room = await self._room(replicas())
+                # the head may have timed out or left during the look
+                if room > 0 and self._queue and self._queue[0] is head \
+                        and not head[2].done():
+                    heapq.heappop(self._queue)
+                    self._take(head[3])
+                    head[2].set_result(True)
+                    self._grants.append(time.monotonic())
+            except Exception as exc:  # noqa: BLE001 - the load tracker falls back itself
+                logger.warning("admission could not read the load: %s", exc)
+                room = 0
+            if room > 0:
+                metrics.get("admission_waiting").set(len(self._queue))
+                continue
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), self.poll_s)
+            except TimeoutError:
+                pass
+
+
+def parse_priority(value: str | None, default: int = 0) -> int:
+    """A request's priority from its header: an integer (lower first); ``default`` when
+    absent.
+
+    Raises:
+        OpenAIError: 400 naming the header, for a value that is not an integer within
+            +/- 2**31 (vLLM's ``priority`` is an int).
+    """
+    if value is None or value.strip() == "":
+        return default
+    try:
+        p = int(value.strip())
+    except ValueError:
+        p = None
+    if p is None or not math.isfinite(p) or abs(p) >= 2 ** 31:
+        raise OpenAIError(400, f"priority must be an integer (lower is served first), not "
+                               f"{value[:40]!r}", "BadRequestError", "x-priority")
+    return p

@@ -1,0 +1,323 @@
+"""One attempt of one request on one replica, on either data path, and the streaming
+response that relays it.
+
+``DirectAttempt`` (the default data path) decides in the ingress and streams from the
+chosen engine's HTTP server over pooled connections; ``ServeAttempt`` calls the engine
+deployment through its handle and lets the Ray ``RequestRouter`` decide
+(docs/architecture.md "The data path"). Both read usage from the body as it passes
+(``UsageScanner``) and release the load reservation in ``close``, on every path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import TYPE_CHECKING, AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from router import metrics
+from router.logs import get_logger
+from router.routing.core import route_request
+from router.serve.errors import no_replicas
+from router.serve.protocol import HOP_HEADERS, ReplicaHead, RoutedRequest
+
+if TYPE_CHECKING:
+    from router.serve.ingress import IngressCore
+
+logger = get_logger(__name__)
+
+
+class UsageScanner:
+    """Finds ``usage`` in a response body (JSON, or the SSE events of a stream).
+
+    Fed raw chunks in order; keeps only the unfinished tail of the current SSE event.
+    """
+
+    def __init__(self, stream: bool):
+        self.stream = stream
+        self._buf = b""
+        self.usage: dict | None = None
+        self.error_event = False
+
+    def feed(self, chunk: bytes) -> None:
+        if not self.stream:
+            self._buf += chunk
+            return
+        self._buf += chunk
+        *events, self._buf = self._buf.split(b"\n\n")
+        for ev in events:
+            if b'"usage"' in ev or b'"error"' in ev:
+                self._parse_event(ev)
+
+    def _parse_event(self, ev: bytes) -> None:
+        for line in ev.split(b"\n"):
+            if not line.startswith(b"data:"):
+                continue
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                continue
+            try:
+                obj = json.loads(data)
+            except ValueError:
+                continue
+            if isinstance(obj, dict):
+                if obj.get("usage"):
+                    self.usage = obj["usage"]
+                if "error" in obj:
+                    self.error_event = True
+
+    def finish(self) -> dict | None:
+        if not self.stream and self._buf:
+            try:
+                obj = json.loads(self._buf)
+                if isinstance(obj, dict) and isinstance(obj.get("usage"), dict):
+                    self.usage = obj["usage"]
+            except ValueError:
+                pass
+        return self.usage
+
+
+def sse_error(message: str) -> bytes:
+    """An SSE error event (OpenAI's shape, code 502) and ``[DONE]``: how a stream that broke
+    after its first byte ends."""
+    body = {"error": {"message": message, "type": "InternalServerError", "param": None,
+                      "code": 502}}
+    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+class Attempt:
+    """One attempt of one request on one replica. ``close`` is idempotent and is called on
+    every path: it ends the engine call if unfinished and releases the reservation.
+
+    Subclasses are the two data paths: ``_open`` routes and sends the request, returning
+    the engine's status and headers before any body byte; ``_chunks`` yields the body;
+    ``_abort`` ends an unfinished call (the engine then aborts the request).
+    """
+
+    def __init__(self, core: IngressCore, req: RoutedRequest, route: str):
+        self.core = core
+        self.req = req
+        self.route = route
+        self.head: ReplicaHead | None = None
+        self.replica = ""
+        self.started_body = False
+        self.exhausted = False
+        self.closed = False
+        self.failed = False  # the engine's answer broke before its end
+        self.scanner = UsageScanner(req.stream)
+
+    async def _open(self) -> ReplicaHead:
+        raise NotImplementedError
+
+    def _chunks(self) -> AsyncIterator[bytes]:
+        raise NotImplementedError
+
+    async def _abort(self) -> None:
+        raise NotImplementedError
+
+    async def start(self) -> ReplicaHead:
+        # A new attempt is open: the router keeps its reservation (the previous attempt's
+        # close, awaited before this one starts, set the flag and released its own).
+        self.req.closed = False
+        self.req.routed_replica = None  # set again by this attempt's decision
+        try:
+            self.head = await self._open()
+        finally:
+            self.replica = (self.head.replica_id if self.head else None) \
+                or self.req.routed_replica or ""
+            if self.replica:
+                metrics.inc("dispatched", tags={"replica": self.replica})
+                self.core._count_inflight(self.replica, +1)
+        return self.head
+
+    @property
+    def streaming(self) -> bool:
+        """Whether the answer goes to the client as it comes (an SSE stream of a 200)."""
+        return self.req.stream and self.head is not None and self.head.status == 200
+
+    async def whole_body(self) -> bytes:
+        """The engine's whole body (answers that are not streamed), then closes the attempt.
+
+        Raises:
+            Exception: the body broke (``started_body`` tells whether before its first
+                byte; the client has received nothing either way).
+        """
+        try:
+            return b"".join([c async for c in self.body()])
+        finally:
+            await self.close()
+
+    async def body(self) -> AsyncIterator[bytes]:
+        """The engine's body bytes. A failure after the first byte is never retried: a
+        stream ends with an SSE error event (docs/architecture.md, "Failures"), a whole body
+        raises."""
+        try:
+            async for chunk in self._chunks():
+                if not self.started_body:
+                    self.started_body = True
+                    await self.core.load.prefill_done(self.req.request_id)
+                    metrics.get("ttft").observe(time.perf_counter() - self.req.t_arrival,
+                                                tags={"route": self.route})
+                self.scanner.feed(chunk)
+                yield chunk
+            self.exhausted = True
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.error("answer from replica %s broke %s the first byte: %s", self.replica,
+                         "after" if self.started_body else "before", exc)
+            self.exhausted = True
+            self.failed = True
+            if not self.streaming:
+                raise
+            yield sse_error(f"engine stream interrupted: {type(exc).__name__}")
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.req.closed = True  # before the release: see RoutedRequest.closed
+        # Shielded: a second cancellation of a request that is already going away must not
+        # stop the release half-way (the reservation would outlive the request).
+        await asyncio.shield(asyncio.ensure_future(self._close()))
+
+    async def _close(self) -> None:
+        try:
+            if not self.exhausted:
+                await self._abort()
+        finally:
+            await self.core.load.release(self.req.request_id)
+            self.core.admission.released()  # a waiting request may take the slot
+        refused = self.head is None or self.head.status >= 400
+        if (refused or self.failed) and self.replica:  # the engine may not hold the prefix
+            await self.core.forget_predictions(self.req, self.replica)
+        if self.replica:
+            metrics.inc("completed", tags={"replica": self.replica})
+            self.core._count_inflight(self.replica, -1)
+        usage = self.scanner.finish() if self.head and self.head.status == 200 else None
+        if usage:
+            details = usage.get("prompt_tokens_details") or {}
+            tags = {"replica": self.replica}
+            metrics.inc("prompt_tokens", int(usage.get("prompt_tokens") or 0), tags=tags)
+            metrics.inc("engine_cached_tokens", int(details.get("cached_tokens") or 0),
+                        tags=tags)
+            metrics.inc("predicted_cached_tokens", self.head.predicted_cached_tokens,
+                        tags=tags)
+            error = self.head.predicted_cached_tokens - int(details.get("cached_tokens") or 0)
+            metrics.get("prediction_error").observe(
+                abs(error), tags={"direction": "exact" if error == 0 else
+                                  "over" if error > 0 else "under"})
+
+
+class ServeAttempt(Attempt):
+    """Through Serve: a streaming handle call to the engine deployment, whose Ray
+    ``RequestRouter`` (``router.serve.request_router``) decides; the replica actor proxies to its
+    engine and yields a ``ReplicaHead`` and then the body's bytes."""
+
+    gen = None
+
+    async def _open(self) -> ReplicaHead:
+        self.gen = self.core.engine.options(stream=True).generate.remote(self.req)
+        return await self._first_item()
+
+    async def _first_item(self) -> ReplicaHead:
+        """The replica's head, or 503 when no replica exists (a Serve handle would wait
+        forever with zero replicas: Serve's router waits for a replica set)."""
+        gen = self.gen
+        task = asyncio.ensure_future(gen.__anext__())
+        # a cancelled request's pending head ends in an exception nobody awaits: take it
+        # here, or asyncio logs "Task exception was never retrieved" for every disconnect
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        try:
+            while True:
+                done, _ = await asyncio.wait({task}, timeout=0.5)
+                if done:
+                    return task.result()
+                if self.core._replica_count() == 0:
+                    task.cancel()
+                    gen.cancel()
+                    raise no_replicas()
+        except asyncio.CancelledError:
+            task.cancel()
+            gen.cancel()
+            raise
+
+    def _chunks(self) -> AsyncIterator[bytes]:
+        return self.gen
+
+    async def _abort(self) -> None:
+        if self.gen is not None:
+            self.gen.cancel()
+
+
+class DirectAttempt(Attempt):
+    """Direct: the ingress decides (``router.routing.core.route_request``, the same step the Ray
+    router runs) and sends the client's body to the chosen engine's own HTTP server over
+    the ingress's pooled connections; the engine's bytes stream straight back. Closing an
+    unfinished response closes its connection, which makes vLLM abort the request."""
+
+    resp = None
+
+    async def _open(self) -> ReplicaHead:
+        import httpx
+
+        core, req = self.core, self.req
+        infos = await core.replica_set()
+        policy = core.policies.get(req.policy)
+        try:
+            await route_request(core.routing_core(), req, infos, policy)
+        except Exception:  # a bug: route by this process's own counts, never fail
+            logger.exception("routing decision failed for request %s; routing by load",
+                             req.request_id)
+            metrics.inc("decisions", tags={"reason": "fallback", "policy": policy.name})
+            pool = [i for i in infos if i.replica_id not in req.excluded_replicas] or infos
+            req.routed_replica = min(pool, key=lambda i: core.inflight.get(i.replica_id, 0)
+                                     ).replica_id
+            req.routing_reason = "fallback"
+            req.predicted_cached_tokens = {}
+        replica = req.routed_replica
+        predicted = req.predicted_cached_tokens.get(replica, 0)
+        info = next(i for i in infos if i.replica_id == replica)
+        url = info.metadata.engine_url
+        if not url:
+            return ReplicaHead(replica, 503, {}, retryable=True, error="replica advertises "
+                               "no engine endpoint yet", predicted_cached_tokens=predicted)
+        client = core.engine_client()
+        request = client.build_request("POST", url + req.path, content=req.body,
+                                       headers={"content-type": "application/json"})
+        try:
+            self.resp = await client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            return ReplicaHead(replica, 503, {}, retryable=True,
+                               error=f"engine unreachable: {type(exc).__name__}",
+                               predicted_cached_tokens=predicted)
+        headers = {k: v for k, v in self.resp.headers.items()
+                   if k.lower() not in HOP_HEADERS}
+        return ReplicaHead(replica, self.resp.status_code, headers,
+                           retryable=self.resp.status_code >= 500,
+                           predicted_cached_tokens=predicted)
+
+    def _chunks(self) -> AsyncIterator[bytes]:
+        return self.resp.aiter_raw()
+
+    async def _abort(self) -> None:
+        if self.resp is not None:
+            await self.resp.aclose()
+
+
+class GuardedStreamingResponse(StreamingResponse):
+    """A streaming response that closes its dispatch however the response ends, even when
+    the client leaves before the first chunk (the body generator would then never start
+    and its ``finally`` never run)."""
+
+    def __init__(self, dispatch: Attempt, **kwargs):
+        super().__init__(dispatch.body(), **kwargs)
+        self.dispatch = dispatch
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.dispatch.close()

@@ -1,0 +1,542 @@
+"""The OpenAI-compatible HTTP front door, deployed with Ray Serve.
+
+Routes: ``POST /v1/chat/completions`` and ``POST /v1/completions`` (streaming SSE or not),
+``GET /v1/models``, ``GET /health``, ``GET /metrics``.
+
+Per request the ingress reads what routing needs through pydantic models that mirror the
+OpenAI schema (malformed JSON or wrong types → OpenAI-style 400), renders and tokenizes the
+prompt with the served model's tokenizer, computes the block hashes, and routes: on the
+direct data path it decides itself and streams from the chosen engine's HTTP server; on the
+serve path it calls the engine deployment through its handle and the Ray ``RequestRouter``
+decides (``Settings.data_path``, docs/architecture.md "The data path"). The client's body is
+forwarded byte for byte. A failure before the first byte (engine down, 5xx, replica
+actor died) is retried once on another replica; after the first byte never (docs/fault-cases.md
+6.3). The load reservation is released in a ``finally`` on every path: success, error, retry,
+client disconnect (docs/fault-cases.md 1.2, 5.1).
+
+Response headers: ``x-routed-replica`` (the replica that served), ``x-predicted-cached-tokens``
+(the index's prediction for it), ``x-routing-reason`` (cache, load or fallback),
+``x-routing-policy`` and ``x-data-path`` (what served it) and ``server-timing:
+routing;dur=<ms>`` (W3C Server Timing: arrival at the ingress to dispatch).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from router import metrics
+from router.config import Settings
+from router.hashing import BlockHasher
+from router.index.base import IndexUnavailable
+from router.logs import get_logger
+from router.policy import LIVE_POLICIES, PolicySet
+from router.prompt.render import PromptInfo, PromptRenderer
+from router.routing.sessions import session_key
+from router.serve import state
+from router.serve.admission import Admission, parse_priority
+from router.serve.auth import Tenant, tenant_cache_salt
+from router.serve.dispatch import (
+    Attempt,
+    DirectAttempt,
+    GuardedStreamingResponse,
+    ServeAttempt,
+)
+from router.serve.errors import OpenAIError, bad_request, invalid_body, no_replicas
+from router.serve.protocol import HOP_HEADERS, ReplicaHead, RoutedRequest, route_label
+from router.serve.ratelimit import RateLimiter, max_output_tokens, request_tokens
+from router.serve.schemas import SCHEMAS, validation_message
+
+logger = get_logger(__name__)
+
+# Larger bodies are rendered off the event loop. When a long prompt's tokenization stops at
+# its head (``Settings.route_head_chars``), rendering a body of up to 1 MiB costs about 2 ms
+# (parsing is linear and fast) and threads would cost more in GIL hand-overs under load.
+_RENDER_INLINE_MAX_BYTES = 16 * 1024
+_RENDER_HEAD_INLINE_MAX_BYTES = 1024 * 1024
+
+
+class IngressCore:
+    """The request path of the ingress, independent of FastAPI wiring (tested directly).
+
+    Args:
+        settings: the deployment's settings.
+        engine_handle: ``DeploymentHandle`` of the engine deployment.
+    """
+
+    def __init__(self, settings: Settings, engine_handle):
+        self.settings = settings
+        self.engine = engine_handle
+        self.renderer = PromptRenderer(settings.tokenizer or settings.model)
+        self.hasher = BlockHasher(settings.hash_settings)
+        self.load = state.make_load_tracker(settings)
+        self.health = state.replica_health()
+        self.inflight: dict[str, int] = {}  # this process's own dispatches, per replica
+        self.policies = PolicySet(settings)
+        self.admission = Admission(self.load, settings.max_inflight_per_replica,
+                                   settings.queue_timeout_s, settings.retry_after_s)
+        state.put("admission", self.admission)  # route_request ends holds from any path
+        self.rate_limits = RateLimiter(
+            state.redis_connections(settings) if settings.redis_url else None,
+            settings.index_namespace)
+        self._index = None  # made on first use, on the ingress's loop (a Redis client's own)
+        self._routing = None  # the direct path's RoutingCore, likewise
+        self._engine_client = None  # the direct path's pooled HTTP client, likewise
+        self._any_turn = 0  # rotates any_engine's first choice
+        self._gauges_task: asyncio.Task | None = None  # see _keep_gauges
+        self._turn: asyncio.Lock | None = None  # see _cpu_turn
+
+    async def forget_predictions(self, req: RoutedRequest, replica: str) -> None:
+        """The engine refused ``req`` (an error status): drop the predicted entries that its
+        routing wrote on ``replica``, the blocks past the prefix the index already matched
+        there, or they would draw the prefix to an engine that never computed it (for
+        ``predicted_ttl_s`` when the engine publishes no KV events). Index errors are
+        counted, never raised."""
+        start = req.predicted_cached_tokens.get(replica, 0) // self.settings.block_size
+        if start >= len(req.block_hashes):
+            return
+        try:
+            await self._prefix_index().forget_predicted(replica, req.block_hashes[start:])
+        except IndexUnavailable:
+            metrics.inc("index_errors", tags={"op": "forget_predicted"})
+
+    def _prefix_index(self):
+        """The index, made on first use: on the ingress's own loop (a Redis client belongs
+        to the loop that made it)."""
+        if self._index is None:
+            self._index = state.make_index(self.settings)
+        return self._index
+
+    def _count_inflight(self, replica: str, delta: int) -> None:
+        n = self.inflight.get(replica, 0) + delta
+        self.inflight[replica] = n
+        metrics.get("inflight").set(n, tags={"replica": replica})
+        if self._gauges_task is None:
+            self._gauges_task = asyncio.get_running_loop().create_task(self._keep_gauges())
+
+    async def _keep_gauges(self, period_s: float = 5.0) -> None:
+        """Set ``router_inflight`` again every ``period_s`` for every replica this process
+        has dispatched to: Ray's exporter drops a gauge that has not been set for a while,
+        so one set only on change vanished from ``/metrics`` during long requests. A replica
+        that left the deployment is set to 0 once and forgotten."""
+        gauge = metrics.get("inflight")
+        while True:
+            await asyncio.sleep(period_s)
+            current = state.peek("replica_ids")
+            for replica, n in list(self.inflight.items()):
+                gauge.set(n, tags={"replica": replica})
+                if current is not None and replica not in current and n == 0:
+                    del self.inflight[replica]
+
+    # --- helpers -----------------------------------------------------------------------
+    def _replica_count(self) -> int | None:
+        return state.replica_count()
+
+    def _prepare(self, path: str, raw: bytes, head_chars: int = 0,
+                 tenant: Tenant | None = None, priority: int | None = None,
+                 session: str | None = None) -> tuple[RoutedRequest, PromptInfo]:
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise invalid_body(f"request body is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise invalid_body("request body is nested too deeply") from None
+        if not isinstance(body, dict):
+            raise invalid_body("request body must be a JSON object")
+        try:
+            parsed = SCHEMAS[path].model_validate(body)
+        except RecursionError:
+            raise invalid_body("request body is nested too deeply") from None
+        except ValidationError as exc:
+            msg, loc = validation_message(exc)
+            raise invalid_body(msg, loc) from None
+        overrides: dict = {}
+        if tenant is not None and self.settings.tenant_cache_isolation:
+            # the engine keeps the tenant's blocks apart, and the router's hashes follow
+            overrides["cache_salt"] = tenant_cache_salt(tenant, parsed.cache_salt or None,
+                                                        self.settings.cache_salt_secret)
+        if priority is not None and self.settings.engine_priority_scheduling:
+            overrides["priority"] = priority
+        if overrides:
+            body.update(overrides)
+            raw = json.dumps(body).encode()  # ASCII escapes keep even lone surrogates intact
+        if len(raw) > self.settings.route_tokenize_max_bytes:
+            info = PromptInfo(cacheable=False, reason="too long to tokenize for routing")
+        else:
+            info = self.renderer.render(path, body, head_chars)
+        user = body.get("user") if self.settings.session_from_user else None
+        session = session or (user if isinstance(user, str) and user else None)
+        req = RoutedRequest(request_id=uuid.uuid4().hex, path=path, body=raw,
+                            stream=bool(parsed.stream),
+                            max_output_tokens=max_output_tokens(body),
+                            session_key=session_key(tenant.name if tenant else None, session)
+                            if session else None)
+        self._hash(req, info)
+        return req, info
+
+    def _hash(self, req: RoutedRequest, info: PromptInfo) -> None:
+        req.prompt_tokens = info.num_tokens
+        req.block_hashes = self.hasher.block_hashes(
+            info.token_ids, cache_salt=info.cache_salt,
+            lora_name=info.lora_name) if info.cacheable else []
+
+    def _finish(self, req: RoutedRequest, info: PromptInfo) -> None:
+        """Encode the rest of a prompt whose head a replica holds, and hash it all. Text the
+        tokenizer refuses (a lone surrogate...) leaves the request routed by load, as
+        ``PromptRenderer.render`` does: the engine gives the authoritative 400."""
+        try:
+            info.finish()
+        except Exception as exc:
+            logger.debug("prompt rest not encoded (%s): routing by load", exc)
+            req.block_hashes = []
+            return
+        self._hash(req, info)
+
+    async def prepare(self, path: str, raw: bytes, policy: str | None = None,
+                      tenant: Tenant | None = None, priority: int | None = None,
+                      session: str | None = None) -> RoutedRequest:
+        """Validate, render, tokenize and hash; long prompts off the event loop.
+
+        Under ``prefix_aware``, a prompt longer than ``Settings.route_head_chars`` is first
+        encoded up to about that many characters. Its blocks past the head can match a
+        replica only if that replica holds every block of the head (a match is a prefix), so
+        the rest is encoded only then: one index lookup of the head decides. Otherwise the
+        request is routed on the head's hashes (the same decision) with the prompt's length
+        estimated from the head's tokens per UTF-8 byte, and predicted entries are written
+        for the head only (a burst sharing the new prefix still finds them and lands
+        together; the engine's events then bring every block).
+
+        With a ``tenant`` (API keys on) and ``tenant_cache_isolation``, the body forwarded
+        carries the tenant's ``cache_salt`` (``router.serve.auth.tenant_cache_salt``) and
+        the block hashes are the salted ones; with ``engine_priority_scheduling`` it
+        carries ``priority``. Only then is the body re-serialised rather than forwarded
+        byte for byte.
+
+        Args:
+            policy: the request's own policy (``x-routing-policy``), or None.
+            tenant: the authenticated caller, or None when keys are off.
+            priority: the request's resolved priority (``resolve_priority``), or None.
+            session: the request's session header, or None (then its ``user`` field may
+                name its session, ``Settings.session_from_user``).
+        Raises:
+            OpenAIError: 400 for malformed bodies.
+        """
+        prefix_aware = self.settings.policy_for(policy) == "prefix_aware"
+        head = self.settings.route_head_chars if prefix_aware else 0
+        inline = _RENDER_HEAD_INLINE_MAX_BYTES if head and self.renderer.segments.chunked \
+            else _RENDER_INLINE_MAX_BYTES
+        if len(raw) > inline:
+            req, info = await asyncio.to_thread(self._prepare, path, raw, head, tenant,
+                                                priority, session)
+        else:
+            async with self._cpu_turn():
+                req, info = self._prepare(path, raw, head, tenant, priority, session)
+        if info.rest is not None:
+            held = await self._head_held(req.block_hashes)
+            if held:
+                await asyncio.to_thread(self._finish, req, info)
+            metrics.inc("long_prompts", tags={"tokenized": "whole" if held else "head"})
+        return req
+
+    @contextlib.asynccontextmanager
+    async def _cpu_turn(self):
+        """One request's render on the event loop at a time, in arrival order, with the
+        loop's I/O between two of them: the lock is handed on at the loop's next iteration,
+        not at once. Without it, a burst of N requests runs all N renders before any of them
+        gets its index lookup's answer, so the first is dispatched after the whole burst's
+        work; with it, the k-th is dispatched after about k renders (FIFO, not processor
+        sharing). Free when there is no burst: an uncontended lock is taken at once."""
+        if self._turn is None:
+            self._turn = asyncio.Lock()
+        await self._turn.acquire()
+        try:
+            yield
+        finally:
+            asyncio.get_running_loop().call_soon(self._turn.release)
+
+    async def _head_held(self, head_hashes: list[int]) -> bool:
+        """Whether some replica holds every block of a prompt's head (exact or predicted
+        entries), so that its match may go on past the head. True when the replicas are not
+        known yet; False when the index fails (routing then falls back to load anyway)."""
+        replicas = state.peek("replica_ids")
+        if not replicas or not head_hashes:
+            return True
+        try:
+            matched = await self._prefix_index().lookup(head_hashes, sorted(replicas))
+        except IndexUnavailable:
+            return False
+        return max(matched.values(), default=0) >= len(head_hashes)
+
+    def check_policy(self, policy: str | None) -> None:
+        """Refuse an ``x-routing-policy`` header this service does not honour: an unknown
+        name, or any name while ``allow_policy_override`` is off (the request would run the
+        configured policy while its sender believes it runs another).
+
+        Raises:
+            OpenAIError: 400 naming the header.
+        """
+        if not policy:
+            return
+        if not self.settings.allow_policy_override:
+            raise bad_request(
+                f"this service routes every request by {self.settings.policy!r}; the "
+                "x-routing-policy header is honoured only with the setting "
+                "allow_policy_override", "x-routing-policy")
+        if policy not in LIVE_POLICIES:
+            raise bad_request(f"unknown routing policy {policy!r}; choose from "
+                              f"{sorted(LIVE_POLICIES)}", "x-routing-policy")
+
+    # --- the request path --------------------------------------------------------------
+    async def handle(self, path: str, raw: bytes, t_arrival: float,
+                     policy: str | None = None, data_path: str | None = None,
+                     tenant: Tenant | None = None, priority: str | None = None,
+                     session: str | None = None) -> Response:
+        """Serve one inference request; returns the response to send.
+
+        The request is admitted first (``router.serve.admission``: with
+        ``max_inflight_per_replica``, it waits while every replica is at its bound, by
+        priority, and gets a 429 past ``queue_timeout_s``). A failure before the first
+        body byte (engine down or refusing with a 5xx, the replica actor gone) is retried
+        once on another replica; the second failure is answered with its status (502 when
+        there is none) in the OpenAI error shape.
+
+        Args:
+            policy / data_path: the request's ``x-routing-policy`` / ``x-data-path``
+                headers (benchmarks compare policies and data paths on the same replicas;
+                honoured only with ``allow_policy_override``).
+            tenant: the authenticated caller (``router.serve.auth``), or None.
+            priority: the request's priority header (``Settings.priority_header``), or None.
+            session: its session header (``Settings.session_header``), or None.
+        Raises:
+            OpenAIError: 400 (malformed body or priority, refused ``x-routing-policy`` or
+                ``x-data-path``), 429 (the tenant's rate limit, or overloaded), 503 (no
+                replica).
+        """
+        if self._replica_count() == 0:
+            raise no_replicas()
+        self.check_policy(policy)
+        attempt_cls = self._attempt_class(data_path)
+        prio = resolve_priority(priority, tenant)
+        req = await self.prepare(path, raw, policy, tenant, prio, session)
+        req.policy = policy or None
+        req.t_arrival = t_arrival
+        route = route_label(path)
+        await self.rate_limits.check(tenant, request_tokens(
+            req.prompt_tokens, req.max_output_tokens, len(req.body)))
+        await self.admission.admit(req.request_id, self._usable_replica_ids, prio)
+        try:  # route_request ends the admission's hold once the decision has reserved
+            for attempt in (1, 2):
+                dispatch = attempt_cls(self, req, route)
+                head, body = await self._try(dispatch, retry_left=attempt == 1)
+                resp = await self._outcome(dispatch, head, body, attempt)
+                if resp is not None:
+                    return resp
+        finally:
+            self.admission.reserved(req.request_id)  # also when it failed before routing
+        raise AssertionError("unreachable: the second attempt always returns")
+
+    def _usable_replica_ids(self) -> list[str]:
+        """The replicas admission counts slots on: those whose engine is up and whose
+        circuit is closed (all of them when none is)."""
+        infos = state.replica_infos() or ()
+        up = [i.replica_id for i in infos if i.stats.engine_alive is not False
+              and self.health.available(i.replica_id)]
+        return up or [i.replica_id for i in infos]
+
+    async def _outcome(self, dispatch: Attempt, head: ReplicaHead, body: bytes | None,
+                       attempt: int) -> Response | None:
+        """The client's response for an attempt, or None when it failed before the first
+        byte on the first attempt and the request goes on to a second one."""
+        req = dispatch.req
+        if head.retryable and attempt == 1:
+            logger.warning("replica %s failed before the first byte (%s %s); retrying on "
+                           "another replica", dispatch.replica, head.status, head.error)
+            metrics.inc("retries", tags={"reason": f"status_{head.status}"})
+            if dispatch.replica:
+                req.excluded_replicas.append(dispatch.replica)
+            await dispatch.close()
+            return None
+        if head.error:  # no engine answer to pass on
+            await dispatch.close()
+            logger.error("request %s failed (attempt %d): %s", req.request_id, attempt,
+                         head.error)
+            err = OpenAIError(head.status, head.error, "ServiceUnavailableError"
+                              if head.status == 503 else "InternalServerError")
+            return JSONResponse(err.body(), status_code=head.status)
+        return self._respond(dispatch, head, body)
+
+    def _attempt_class(self, data_path: str | None) -> type[Attempt]:
+        """The data path a request takes: its ``x-data-path`` (honoured only with
+        ``allow_policy_override``), else ``Settings.data_path``.
+
+        Raises:
+            OpenAIError: 400 for an ``x-data-path`` that is refused or unknown.
+        """
+        if data_path and (not self.settings.allow_policy_override
+                          or data_path not in ("direct", "serve")):
+            raise bad_request("x-data-path must be 'direct' or 'serve', and is honoured only "
+                              "with the setting allow_policy_override", "x-data-path")
+        return DirectAttempt if (data_path or self.settings.data_path) == "direct" \
+            else ServeAttempt
+
+    async def _try(self, dispatch: Attempt, retry_left: bool) -> tuple[ReplicaHead,
+                                                                        bytes | None]:
+        """Run one attempt up to what the client is sent first: the engine's head, and the
+        whole body of a non-streaming answer (None for a stream, an error, or a failure
+        that will be retried). A failure of the replica (its actor died, the call or the
+        body broke) becomes a 502 head, retryable while no body byte was read; the
+        attempt's outcome is recorded in the replica's circuit breaker.
+
+        Raises:
+            OpenAIError, asyncio.CancelledError: after closing the attempt.
+        """
+        body = None
+        try:
+            head = await dispatch.start()
+            if not dispatch.streaming and not head.error \
+                    and not (head.retryable and retry_left):
+                body = await dispatch.whole_body()
+        except (OpenAIError, asyncio.CancelledError):
+            await dispatch.close()
+            raise
+        except Exception as exc:  # the replica actor died, the call or the body failed
+            head = ReplicaHead(dispatch.replica, 502, {}, retryable=not dispatch.started_body,
+                               error=f"engine replica failed: {type(exc).__name__}: {exc}")
+            dispatch.failed = True
+        if dispatch.replica:  # once the attempt's outcome is known (a probe's too)
+            self.health.record(dispatch.replica, not (head.retryable or head.error))
+        return head, body
+
+    def _respond(self, dispatch: "Attempt", head: ReplicaHead,
+                 body: bytes | None) -> Response:
+        """The client's response for an attempt whose engine answered: the engine's status
+        and headers plus the router's, and the body: streamed (SSE), or ``body`` whole."""
+        req = dispatch.req
+        headers = dict(head.headers)
+        headers.update({"x-routed-replica": dispatch.replica,
+                        "x-predicted-cached-tokens": str(head.predicted_cached_tokens),
+                        "x-routing-reason": req.routing_reason or "load",
+                        "x-routing-policy": self.settings.policy_for(req.policy),
+                        "x-data-path": "direct" if isinstance(dispatch, DirectAttempt)
+                        else "serve"})
+        if req.routing_s is not None:  # W3C Server-Timing: the router's own time
+            headers["server-timing"] = f"routing;dur={req.routing_s * 1e3:.3f}"
+        if dispatch.streaming:
+            headers.pop("content-type", None)
+            return GuardedStreamingResponse(dispatch, status_code=head.status,
+                                             headers=headers, media_type="text/event-stream")
+        return Response(body, status_code=head.status, headers=headers)
+
+    # --- the direct data path ------------------------------------------------------------
+    def engine_client(self):
+        """The pooled keep-alive HTTP client of the direct path, made on first use (on the
+        ingress's own loop, which owns its connections)."""
+        if self._engine_client is None:
+            import httpx
+            self._engine_client = httpx.AsyncClient(
+                timeout=httpx.Timeout(self.settings.request_timeout_s, connect=5.0),
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024))
+        return self._engine_client
+
+    def routing_core(self):
+        """The ``RoutingCore`` of the direct path, made on first use on the ingress's loop."""
+        if self._routing is None:
+            self._routing = state.make_routing_core(self.settings, self.policies.default)
+        return self._routing
+
+    async def any_engine(self, method: str, path: str,
+                         body: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
+        """Ask one engine for an answer every engine gives alike (``/v1/models``,
+        ``/tokenize``): an engine that is up (its replica reports it alive and its circuit is
+        closed), the next one when it fails or answers 5xx, three tries at most.
+
+        Returns:
+            The engine's status, headers (hop-by-hop ones dropped) and body.
+        Raises:
+            OpenAIError: 503 when no engine answered.
+        """
+        if self.settings.data_path == "direct":
+            import httpx
+            infos = [i for i in await self.replica_set() if i.metadata.engine_url]
+            up = [i for i in infos if i.stats.engine_alive is not False
+                  and self.health.available(i.replica_id)]
+            self._any_turn += 1
+            k = self._any_turn % len(up) if up else 0
+            order = up[k:] + up[:k] + [i for i in infos if i not in up]
+            for info in order[:3]:
+                try:
+                    r = await self.engine_client().request(
+                        method, info.metadata.engine_url + path, content=body,
+                        headers={"content-type": "application/json"}, timeout=30.0)
+                except httpx.HTTPError as exc:
+                    logger.warning("%s %s on replica %s failed: %s", method, path,
+                                   info.replica_id, exc)
+                    continue
+                if r.status_code < 500:
+                    return r.status_code, {k: v for k, v in r.headers.items()
+                                           if k.lower() not in HOP_HEADERS}, r.content
+        else:
+            for _ in range(3):  # Serve picks a replica by load each time
+                try:
+                    return await self.engine.forward.remote(method, path, body)
+                except Exception as exc:
+                    logger.warning("%s %s through a replica failed (%s: %s)", method, path,
+                                   type(exc).__name__, exc)
+        raise OpenAIError(503, f"no engine replica answered {method} {path}; retry shortly",
+                          "ServiceUnavailableError", headers={"retry-after": "1"})
+
+    async def replica_set(self, wait_s: float = 10.0):
+        """The engine replicas to route among (``state.replica_infos``). Right after start
+        the Ray router may not have heard of the replica set yet: wait for it up to
+        ``wait_s``.
+
+        Raises:
+            OpenAIError: 503 when there is no replica.
+        """
+        deadline = time.monotonic() + wait_s
+        while True:
+            infos = state.replica_infos()
+            if infos:
+                return infos
+            if infos is not None or time.monotonic() >= deadline:
+                raise no_replicas()
+            await asyncio.sleep(0.05)
+
+
+def resolve_priority(header: str | None, tenant: Tenant | None) -> int:
+    """A request's priority (lower first): its header's, else its tenant's; a tenant's
+    request cannot go ahead of its tenant's own priority.
+
+    Raises:
+        OpenAIError: 400 for a header that is not an integer.
+    """
+    floor = tenant.priority if tenant is not None else None
+    p = parse_priority(header, floor if floor is not None else 0)
+    return max(p, floor) if floor is not None else p
+
+
+def build_fastapi_app() -> FastAPI:
+    """The FastAPI app; its routes delegate to ``Ingress`` (set as ``app.state.ingress``)."""
+    app = FastAPI(title="prefix-router", version="0.1.0")
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(request: Request, exc: OpenAIError):
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        """Unknown paths and methods in the OpenAI error shape, not FastAPI's ``detail``."""
+        err = OpenAIError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                          "NotFoundError" if exc.status_code == 404 else "InvalidRequestError",
+                          headers=dict(exc.headers or {}))
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=err.headers)
+
+    return app

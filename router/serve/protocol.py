@@ -1,0 +1,92 @@
+"""What crosses the ingress → replica handle hop, and the replica's reply header.
+
+The ingress computes a request's token count and block hashes once and passes them with the
+client's raw body (forwarded to the engine byte for byte: unknown fields survive,
+docs/fault-cases.md 13.1). The Ray ``RequestRouter`` reads the routing fields from
+``PendingRequest.args[0]`` and writes its prediction back into the same object before Serve
+sends it (Serve serialises the arguments only after ``choose_replicas`` returns,
+``ray/serve/_private/router.py`` ``_route_and_send_request_once`` in Ray 2.60).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class RoutedRequest:
+    """One client request on its way to a replica.
+
+    Attributes:
+        request_id: the ingress's id (also the load-reservation key).
+        path: the engine path, e.g. ``/v1/chat/completions``.
+        body: the client's JSON body, unchanged.
+        stream: whether the client asked for a streamed (SSE) answer.
+        prompt_tokens: prompt length in tokens as the engine will count it (0 if unknown).
+        block_hashes: the prompt's chained block keys (empty when not cacheable).
+        excluded_replicas: replica ids not to route to (a failed first attempt).
+        routed_replica: set by the router: the replica it chose.
+        predicted_cached_tokens: set by the router: per candidate replica, the cached tokens
+            the index predicts (the replica that serves the request reports its own).
+        routing_reason: set by the router: ``cache``, ``load`` or ``fallback``.
+        closed: set by the ingress when an attempt is over (answered, failed, client gone)
+            before it releases the load reservation, and cleared when a retry starts; the
+            router releases a reservation it makes (or moves) after that moment itself, so
+            none can outlive the request.
+        policy: a policy name that overrides the configured one for this request (only
+            when ``Settings.allow_policy_override``; benchmarks compare policies this way
+            on the same replicas).
+        t_arrival: ``time.perf_counter()`` at the ingress when the request arrived (the
+            router, in the same process, measures arrival to dispatch from it).
+        routing_s: set by the router on the first attempt: arrival to dispatch (s), the
+            router's own overhead (``server-timing`` header, ``router_routing_overhead``).
+        max_output_tokens: the most the request may generate (``max_completion_tokens``
+            or ``max_tokens``, times ``n``; 0 when it names none), for tenants' token limits.
+        session_key: its session's key (``router.routing.sessions.session_key``), or None.
+    """
+
+    request_id: str
+    path: str
+    body: bytes
+    stream: bool = False
+    prompt_tokens: int = 0
+    block_hashes: list[int] = field(default_factory=list)
+    excluded_replicas: list[str] = field(default_factory=list)
+    routed_replica: str | None = None
+    predicted_cached_tokens: dict[str, int] = field(default_factory=dict)
+    routing_reason: str = ""
+    policy: str | None = None
+    closed: bool = False
+    t_arrival: float = 0.0
+    max_output_tokens: int = 0
+    session_key: str | None = None
+    routing_s: float | None = None
+
+
+# Response headers of the engine that describe its own connection to the proxy, not the
+# answer: never passed on to the client (RFC 9110 section 7.6.1, plus the server's own).
+HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive",
+                         "date", "server"})
+
+
+def route_label(path: str) -> str:
+    """The ``route`` label of metrics: ``chat`` or ``completions``."""
+    return "chat" if path.endswith("/chat/completions") else "completions"
+
+
+@dataclass
+class ReplicaHead:
+    """First item a replica yields: the engine's status and headers, before any body byte.
+
+    ``retryable`` marks a failure before the first byte (engine down, connection refused,
+    5xx) that the ingress may retry once on another replica.
+    """
+
+    replica_id: str
+    status: int
+    headers: dict[str, str]
+    retryable: bool = False
+    error: str = ""
+    predicted_cached_tokens: int = 0
+    engine_metrics: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,161 @@
+"""Per-tenant rate limits: requests and tokens per minute, shared by every router.
+
+A tenant's limits come from its key in the keys document (``requests_per_minute``,
+``tokens_per_minute``; ``router.serve.auth``). A request costs one request and its tokens
+as OpenAI counts them for its limits: the prompt's tokens plus the most it may generate
+(``max_completion_tokens`` or ``max_tokens``). It is checked before admission. Over a limit,
+the answer is a 429 with ``Retry-After`` and OpenAI's ``x-ratelimit-*`` headers, and nothing
+is counted. The minute slides: two fixed windows, the previous one weighted by the share of
+it still inside the last 60 s (``lua/rate_limit.lua``, after Cloudflare's counting:
+blog.cloudflare.com/counting-things-a-lot-of-different-things). With Redis the counters are
+shared by every router process. Without Redis, or while Redis fails, each process counts
+its own requests, so the fleet's limit is then per process.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any
+
+from router.clock import Clock, SystemClock
+from router.index.base import IndexUnavailable
+from router.logs import get_logger
+from router.redis_keys import RedisKeys, ScriptCache
+from router.serve.auth import Tenant
+from router.serve.errors import OpenAIError
+
+logger = get_logger(__name__)
+
+WINDOW_S = 60.0
+KINDS = ("requests", "tokens")
+
+
+def max_output_tokens(body: dict[str, Any]) -> int:
+    """The most a request may generate: ``max_completion_tokens`` or ``max_tokens``, times
+    ``n``; 0 when it names neither (the engine's default then applies)."""
+    out = body.get("max_completion_tokens") or body.get("max_tokens") or 0
+    out = out if isinstance(out, int) and not isinstance(out, bool) and out > 0 else 0
+    n = body.get("n")
+    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+    return out * n
+
+
+def request_tokens(prompt_tokens: int, output_tokens: int, body_bytes: int) -> int:
+    """A request's tokens for its tenant's tokens-per-minute limit: its prompt's (when the
+    router did not tokenize it, one per 4 bytes of body) plus the most it may generate."""
+    return (prompt_tokens or body_bytes // 4) + output_tokens
+
+
+def _refused(tenant: Tenant, kind: str, limit: int, used: int, cost: int,
+             retry_s: float) -> OpenAIError:
+    headers = {f"x-ratelimit-limit-{kind}": str(limit),
+               f"x-ratelimit-remaining-{kind}": str(max(limit - used, 0))}
+    if retry_s < 0:  # this request alone is over the limit: waiting will not help
+        return OpenAIError(429, f"Request too large for tenant {tenant.name!r}: {cost} {kind}"
+                                f" against a limit of {limit} {kind} per minute.",
+                           "RateLimitError", headers=headers)
+    wait = max(1, math.ceil(retry_s))
+    headers["retry-after"] = str(wait)
+    headers[f"x-ratelimit-reset-{kind}"] = f"{wait}s"
+    return OpenAIError(429, f"Rate limit reached for tenant {tenant.name!r} on {kind} per "
+                            f"minute: limit {limit}, used {used}, requested {cost}. Please "
+                            f"try again in {wait}s.", "RateLimitError", headers=headers)
+
+
+class MemoryRateLimiter:
+    """This process's counters (the sliding-minute rule of ``lua/rate_limit.lua``)."""
+
+    def __init__(self, clock: Clock | None = None, window_s: float = WINDOW_S):
+        self.clock = clock or SystemClock()
+        self.window_s = window_s
+        self._counts: dict[tuple[str, str, int], int] = {}
+        self._lock = threading.Lock()
+
+    def check_now(self, tenant: str, limits: list[tuple[str, int, int]]
+                  ) -> tuple[str, int, float] | None:
+        """Count ``(kind, limit, cost)`` for ``tenant`` if all fit; else return the first
+        kind over its limit with its use and the seconds until it may fit (-1: never)."""
+        now = self.clock.now()
+        w = int(now // self.window_s)
+        elapsed = now - w * self.window_s
+        with self._lock:
+            for kind, limit, cost in limits:
+                curr = self._counts.get((tenant, kind, w), 0)
+                prev = self._counts.get((tenant, kind, w - 1), 0)
+                used = prev * (self.window_s - elapsed) / self.window_s + curr
+                if used + cost > limit:
+                    return kind, int(used), (-1.0 if cost > limit else self.window_s - elapsed)
+            for kind, _, cost in limits:
+                self._counts[(tenant, kind, w)] = self._counts.get((tenant, kind, w), 0) + cost
+            for key in [k for k in self._counts if k[2] < w - 1]:
+                del self._counts[key]
+        return None
+
+
+class RateLimiter:
+    """Checks a tenant's request against its limits.
+
+    Args:
+        connections: Redis connections (``router.index.redis.RedisConnections``), or None
+            for this process's counters only.
+        namespace: the Redis key prefix (``Settings.index_namespace``).
+        clock: time source.
+    """
+
+    def __init__(self, connections=None, namespace: str = "prefix-router",
+                 clock: Clock | None = None):
+        self.conn = connections
+        self.keys = RedisKeys(namespace)
+        self.clock = clock or SystemClock()
+        self.local = MemoryRateLimiter(self.clock)
+        self.scripts = ScriptCache()
+
+    async def check(self, tenant: Tenant | None, cost_tokens: int) -> None:
+        """Count one request of ``cost_tokens`` tokens for ``tenant``, or refuse it.
+
+        Raises:
+            OpenAIError: 429 (``RateLimitError``) with ``Retry-After`` and
+                ``x-ratelimit-*`` headers when a limit would be exceeded (then nothing is
+                counted); without ``Retry-After`` when the request alone exceeds it.
+        """
+        if tenant is None:
+            return
+        limits = [(k, lim, c) for k, lim, c in (
+            ("requests", tenant.requests_per_minute, 1),
+            ("tokens", tenant.tokens_per_minute, cost_tokens)) if lim is not None]
+        if not limits:
+            return
+        over = None
+        if self.conn is not None:
+            try:
+                over = await self._check_redis(tenant.name, limits)
+            except IndexUnavailable as exc:
+                logger.warning("rate limits counted in this process only (Redis: %s)", exc)
+                over = self.local.check_now(tenant.name, limits)
+        else:
+            over = self.local.check_now(tenant.name, limits)
+        if over is not None:
+            kind, used, retry_s = over
+            limit, cost = next((lim, c) for k, lim, c in limits if k == kind)
+            from router import metrics
+            metrics.inc("admission_refused", tags={"reason": f"rate_limit_{kind}"})
+            raise _refused(tenant, kind, limit, used, cost, retry_s)
+
+    async def _check_redis(self, tenant: str, limits: list[tuple[str, int, int]]
+                           ) -> tuple[str, int, float] | None:
+        now_ms = int(self.clock.now() * 1000)
+        window_ms = int(WINDOW_S * 1000)
+        w = now_ms // window_ms
+        keys, args = [], [window_ms, now_ms]
+        for kind, limit, cost in limits:
+            keys += [self.keys.rate(tenant, kind, w), self.keys.rate(tenant, kind, w - 1)]
+            args += [limit, cost]
+
+        async def run(c):
+            return await self.scripts.of(c).rate_limit(keys=keys, args=args)
+
+        res = await self.conn.call(run)
+        if int(res[0]) == 0:
+            return None
+        return limits[int(res[0]) - 1][0], int(res[2]), int(res[1]) / 1000

@@ -1,0 +1,176 @@
+"""Admission (router/serve/admission.py): a bounded queue by priority, then a fast 429."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from router.load.memory import MemoryLoadTracker
+from router.serve.admission import Admission, parse_priority
+from router.serve.auth import Tenant
+from router.serve.errors import OpenAIError
+from router.serve.ingress import resolve_priority
+
+REPLICAS = ["a", "b"]
+
+
+async def _full(load, per_replica=2):
+    for r in REPLICAS:
+        for i in range(per_replica):
+            await load.reserve(f"{r}{i}", r, 10)
+
+
+async def _free_one(load, adm, request_id):
+    await load.release(request_id)
+    adm.released()
+
+
+async def test_no_bound_admits_everything_at_once():
+    load = MemoryLoadTracker()
+    await _full(load, 50)
+    adm = Admission(load, None)
+    assert await adm.admit("x", lambda: REPLICAS) == 0.0 and adm.waiting == 0
+
+
+async def test_a_request_waits_for_a_free_slot_then_goes():
+    load = MemoryLoadTracker()
+    await _full(load)
+    adm = Admission(load, 2, timeout_s=5.0)
+    task = asyncio.create_task(adm.admit("x", lambda: REPLICAS))
+    await asyncio.sleep(0.05)
+    assert not task.done() and adm.waiting == 1
+    await _free_one(load, adm, "a0")
+    waited = await asyncio.wait_for(task, 1.0)
+    assert 0.04 < waited < 1.0 and adm.waiting == 0
+
+
+async def test_every_replica_full_past_the_timeout_is_a_fast_429_with_retry_after():
+    load = MemoryLoadTracker()
+    await _full(load)
+    adm = Admission(load, 2, timeout_s=0.2, retry_after_s=3)
+    t0 = time.monotonic()
+    with pytest.raises(OpenAIError) as err:
+        await adm.admit("x", lambda: REPLICAS)
+    assert time.monotonic() - t0 >= 0.2
+    assert err.value.status == 429 and err.value.headers["retry-after"] == "3"
+    assert err.value.body()["error"]["type"] == "RateLimitError"
+    assert adm.waiting == 0
+    await _free_one(load, adm, "a0")  # the refused request took no slot
+    assert await adm.admit("y", lambda: REPLICAS) == 0.0
+
+
+async def test_the_queue_is_served_by_priority_then_arrival():
+    load = MemoryLoadTracker()
+    await _full(load)
+    adm = Admission(load, 2, timeout_s=5.0)
+    order = []
+
+    async def one(name, prio):
+        await adm.admit(name, lambda: REPLICAS, prio)
+        order.append(name)
+        await load.reserve(name, "a", 1)  # admitted: now in flight
+        adm.reserved(name)
+
+    tasks = []
+    for name, prio in (("late-5", 5), ("urgent-0", 0), ("mid-3", 3), ("mid-3b", 3)):
+        tasks.append(asyncio.create_task(one(name, prio)))
+        await asyncio.sleep(0.02)
+    for rid in ("a0", "a1", "b0", "b1"):
+        await _free_one(load, adm, rid)
+        await asyncio.sleep(0.05)
+    await asyncio.wait_for(asyncio.gather(*tasks), 2.0)
+    assert order == ["urgent-0", "mid-3", "mid-3b", "late-5"]
+
+
+async def test_admitted_but_not_yet_reserved_requests_hold_their_slot():
+    """Two requests at once for the one free slot: the second waits until the first has
+    reserved and finished, instead of both going (no overshoot within a process)."""
+    load = MemoryLoadTracker()
+    adm = Admission(load, 1, timeout_s=5.0)
+    first = await adm.admit("first", lambda: ["a"])
+    second = asyncio.create_task(adm.admit("second", lambda: ["a"]))
+    await asyncio.sleep(0.05)
+    assert first == 0.0 and not second.done()
+    await load.reserve("first", "a", 1)
+    adm.reserved("first")
+    adm.reserved("first")  # idempotent
+    await asyncio.sleep(0.05)
+    assert not second.done()  # the slot is taken by the reservation now
+    await _free_one(load, adm, "first")
+    await asyncio.wait_for(second, 1.0)
+
+
+async def test_concurrent_looks_do_not_take_one_slot_twice():
+    """Many requests at once for 3 free slots, each look awaiting the load as a Redis read
+    does: exactly 3 go."""
+    class SlowLoads(MemoryLoadTracker):
+        async def loads(self, replicas):
+            await asyncio.sleep(0.005)
+            return await super().loads(replicas)
+
+    load = SlowLoads()
+    adm = Admission(load, 3, timeout_s=0.2)
+    results = await asyncio.gather(*(adm.admit(f"r{i}", lambda: ["a"]) for i in range(10)),
+                                   return_exceptions=True)
+    assert sum(1 for r in results if r == 0.0) == 3
+    assert all(isinstance(r, OpenAIError) and r.status == 429 for r in results if r != 0.0)
+
+
+async def test_a_client_that_leaves_while_waiting_leaves_no_trace():
+    load = MemoryLoadTracker()
+    await _full(load)
+    adm = Admission(load, 2, timeout_s=5.0)
+    task = asyncio.create_task(adm.admit("x", lambda: REPLICAS))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert adm.waiting == 0
+    await _free_one(load, adm, "a0")
+    assert await adm.admit("y", lambda: REPLICAS) == 0.0
+
+
+def test_priorities_are_integers_and_a_tenant_cannot_jump_its_tier():
+    assert parse_priority(None) == 0 and parse_priority(" -3 ") == -3
+    for bad in ("high", "1.5", "9" * 12, "nan"):
+        with pytest.raises(OpenAIError) as err:
+            parse_priority(bad)
+        assert err.value.status == 400 and err.value.param == "x-priority"
+    assert resolve_priority(None, None) == 0 and resolve_priority("7", None) == 7
+    gold, free = Tenant("gold", priority=0), Tenant("free", priority=10)
+    assert resolve_priority(None, free) == 10 and resolve_priority("0", free) == 10
+    assert resolve_priority("20", free) == 20 and resolve_priority("-5", gold) == 0
+
+
+async def test_before_the_replica_set_is_known_nothing_waits():
+    load = MemoryLoadTracker()
+    adm = Admission(load, 1, timeout_s=0.1)
+    assert await adm.admit("x", list) == 0.0
+
+
+async def test_sustained_overload_is_refused_on_arrival_not_after_the_timeout():
+    """Once the queue has drained at a measured rate, a request that would wait longer than
+    the timeout behind those ahead of it is refused at once; a more urgent one, with
+    nobody ahead of it, still waits for its slot."""
+    load = MemoryLoadTracker()
+    await _full(load)
+    adm = Admission(load, 2, timeout_s=1.0)
+    for i in range(4):  # slots handed out at about 10 per second
+        adm._grants.append(time.monotonic() - 0.4 + 0.1 * i)
+    assert 5 < adm.drain_rate() < 20
+    waiting = [asyncio.create_task(adm.admit(f"w{i}", lambda: REPLICAS, 5)) for i in range(12)]
+    await asyncio.sleep(0.01)
+    t0 = time.monotonic()
+    with pytest.raises(OpenAIError) as err:
+        await adm.admit("late", lambda: REPLICAS, 5)
+    assert err.value.status == 429 and time.monotonic() - t0 < 0.1
+    urgent = asyncio.create_task(adm.admit("urgent", lambda: REPLICAS, 0))
+    await asyncio.sleep(0.05)
+    assert not urgent.done()  # queued, at the head
+    await _free_one(load, adm, "a0")
+    await asyncio.wait_for(urgent, 1.0)
+    for t in waiting:
+        t.cancel()
+    await asyncio.gather(*waiting, return_exceptions=True)

@@ -1,0 +1,77 @@
+"""The direct data path's failure handling, with the engines' HTTP answered by an in-process
+transport (a fault at an exact moment: the headers came, the body broke before its first
+byte), no Ray: the ingress decides and dispatches itself."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from router.config import Settings
+from router.prompt.render import COMPLETIONS_PATH
+from router.routing.replica import ReplicaInfo
+from router.serve import state
+from router.serve.ingress import IngressCore
+
+OK = {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "x"}],
+      "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
+
+
+class _Broken(httpx.AsyncByteStream):
+    async def __aiter__(self):
+        raise httpx.ReadError("connection reset after the headers")
+        yield b""  # pragma: no cover - an async generator that fails at once
+
+
+def _engine(request: httpx.Request) -> httpx.Response:
+    if request.url.host in _Engines.broken:
+        return httpx.Response(200, headers={"content-type": "application/json"},
+                              stream=_Broken())
+    return httpx.Response(200, headers={"content-type": "application/json"},
+                          stream=httpx.ByteStream(json.dumps(OK).encode()))
+
+
+class _Engines:
+    broken: set[str] = set()
+
+
+@pytest.fixture
+def core(model_dir, monkeypatch):
+    monkeypatch.setattr(_Engines, "broken", set())
+    infos = tuple(ReplicaInfo(r, {"engine_url": f"http://{r}"}, {"engine_alive": True})
+                  for r in ("a", "b"))
+    state.put("replica_ids", frozenset(i.replica_id for i in infos))
+    state.put("replica_infos", infos)
+    c = IngressCore(Settings(model=str(model_dir), index_namespace="direct-path-test",
+                             policy="round_robin"), engine_handle=None)
+    c._engine_client = httpx.AsyncClient(transport=httpx.MockTransport(_engine))
+    c.health.forget("a")
+    c.health.forget("b")
+    yield c
+    state.put("replica_infos", None)
+    state.put("replica_ids", None)
+
+
+def _body() -> bytes:
+    return json.dumps({"model": "tiny-qwen2", "prompt": "hello there", "max_tokens": 1}).encode()
+
+
+async def test_a_body_broken_before_its_first_byte_is_retried_and_opens_the_circuit(core):
+    _Engines.broken = {"a"}
+    for _ in range(6):
+        r = await core.handle(COMPLETIONS_PATH, _body(), 0.0)
+        assert r.status_code == 200 and r.headers["x-routed-replica"] == "b"
+    # every attempt on "a" counted as a failure (and none as a success): its circuit is open
+    assert core.health.is_open("a") and not core.health.is_open("b")
+    assert all(v.inflight == 0 for v in (await core.load.loads(["a", "b"])).values())
+
+
+async def test_two_broken_bodies_get_an_openai_502_not_a_500(core):
+    _Engines.broken = {"a", "b"}
+    r = await core.handle(COMPLETIONS_PATH, _body(), 0.0)
+    assert r.status_code == 502
+    err = json.loads(r.body)["error"]
+    assert err["code"] == 502 and "ReadError" in err["message"]
+    assert all(v.inflight == 0 for v in (await core.load.loads(["a", "b"])).values())

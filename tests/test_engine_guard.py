@@ -1,0 +1,98 @@
+"""The engine guard (``replicas/engine_guard.py``): no process of an engine outlives it.
+
+The engine here is a stand-in with vLLM's shape: a process that starts a child (its "engine
+core") which would live on by itself."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+from tests.conftest import ROOT, wait_until
+
+# an "API server" that starts an "engine core" child in its group, prints both pids, waits
+ENGINE = textwrap.dedent("""
+    import subprocess, sys, time
+    core = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    print(core.pid, flush=True)
+    if "--exit" in sys.argv:
+        sys.exit(3)
+    time.sleep(120)
+""")
+
+
+def _gone(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def _start_guard(*engine_args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "replicas.engine_guard", "--grace-s", "3",
+                             "--", sys.executable, "-c", ENGINE, *engine_args], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def test_an_engine_that_exits_takes_its_engine_core_along():
+    guard = _start_guard("--exit")
+    guard.stdout.readline()  # the core is up
+    assert guard.wait(10) == 3  # the engine's own exit code
+    wait_until(lambda: _gone(guard.pid), 10, 0.1, "the engine's process group to be gone")
+
+
+def test_sigterm_to_the_guard_stops_the_whole_engine():
+    guard = _start_guard()
+    guard.stdout.readline()
+    time.sleep(0.3)
+    guard.send_signal(signal.SIGTERM)
+    assert guard.wait(10) == 128 + signal.SIGTERM
+    wait_until(lambda: _gone(guard.pid), 10, 0.1, "the engine's process group to be gone")
+
+
+def test_a_replica_killed_with_sigkill_takes_its_engine_along():
+    """The replica (here a stand-in parent) dies without a word: the kernel tells the guard
+    (PR_SET_PDEATHSIG), which stops its group."""
+    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import subprocess, sys, time
+        g = subprocess.Popen([sys.executable, "-m", "replicas.engine_guard", "--grace-s", "3",
+                              "--", sys.executable, "-c", {ENGINE!r}],
+                             start_new_session=True, stdout=subprocess.DEVNULL)
+        print(g.pid, flush=True)
+        time.sleep(120)
+    """)], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    guard_pid = int(parent.stdout.readline())
+    time.sleep(1.0)  # the engine and its core are up
+    assert not _gone(guard_pid)
+    parent.kill()
+    parent.wait(10)
+    wait_until(lambda: _gone(guard_pid), 15, 0.1, "the orphaned engine's group to be gone")
+
+
+def test_a_guard_killed_with_sigkill_still_stops_its_engine():
+    """Ray SIGKILLs the direct children of a worker that exits: the guard. Its engine hears
+    of it from the kernel and exits (here the stand-in's SIGTERM ends it and its core goes
+    with the group, as vLLM's API server stops its engine core)."""
+    guard = _start_guard()
+    guard.stdout.readline()
+    time.sleep(0.3)
+    engine = next(int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != guard.pid
+                  and _ppid(int(p)) == guard.pid)
+    guard.kill()
+    guard.wait(10)
+    wait_until(lambda: not os.path.exists(f"/proc/{engine}") or _ppid(engine) == 0, 10, 0.1,
+               "the engine to exit")
+
+
+def _ppid(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return 0 if fields[0] == "Z" else int(fields[1])

@@ -1,0 +1,100 @@
+"""One test suite for every load tracker, as ``tests/test_index.py`` is for the indexes: the
+in-process tracker, the Redis tracker on fakeredis, and on the real Redis."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from router.clock import ManualClock
+from router.index.redis import RedisConnections
+from router.load.memory import MemoryLoadTracker
+from router.load.redis import RedisLoadTracker
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture(params=["memory", "fakeredis", "redis"])
+async def load(request):
+    clock = ManualClock(time.time())
+    if request.param == "memory":
+        yield MemoryLoadTracker(clock=clock)
+        return
+    conn = RedisConnections(REDIS_URL, 2.0)
+    if request.param == "fakeredis":
+        import fakeredis
+        fake = fakeredis.FakeAsyncRedis()
+        conn.client = lambda *timeout: fake  # the fake server stands in for the URL
+    tracker = RedisLoadTracker(conn, f"test-load-{uuid.uuid4().hex[:8]}", clock=clock)
+    yield tracker
+    client = conn.client()
+    for key in tracker.keys:
+        await client.delete(key)
+    await tracker.close()
+
+
+async def _load(tracker, replica="A"):
+    return (await tracker.loads([replica]))[replica]
+
+
+async def test_unknown_replicas_have_no_load(load):
+    got = await load.loads(["A", "B"])
+    assert {r: (v.inflight, v.prefill_tokens) for r, v in got.items()} == {"A": (0, 0),
+                                                                          "B": (0, 0)}
+
+
+async def test_a_reservation_counts_a_request_and_its_queued_prefill(load):
+    await load.reserve("q1", "A", 500)
+    await load.reserve("q2", "A", 300)
+    await load.reserve("q3", "B", 100)
+    a, b = (await load.loads(["A", "B"])).values()
+    assert (a.inflight, a.prefill_tokens, b.inflight, b.prefill_tokens) == (2, 800, 1, 100)
+    assert a.last_assigned_s > 0
+
+
+async def test_prefill_done_takes_its_tokens_off_the_queue_once(load):
+    await load.reserve("q1", "A", 500)
+    await load.prefill_done("q1")
+    await load.prefill_done("q1")  # a second first byte changes nothing
+    a = await _load(load)
+    assert (a.inflight, a.prefill_tokens) == (1, 0)
+
+
+async def test_release_is_idempotent_and_never_goes_negative(load):
+    await load.reserve("q1", "A", 500)
+    await load.reserve("q2", "A", 0)  # a lease of no prefill tokens (fully cached)
+    for rid in ("q1", "q1", "q2", "q2", "never-reserved"):
+        await load.release(rid)
+    a = await _load(load)
+    assert (a.inflight, a.prefill_tokens) == (0, 0)
+
+
+async def test_release_after_prefill_done_returns_to_zero(load):
+    await load.reserve("q1", "A", 500)
+    await load.prefill_done("q1")
+    await load.release("q1")
+    a = await _load(load)
+    assert (a.inflight, a.prefill_tokens) == (0, 0)
+
+
+async def test_reserving_again_moves_the_request_instead_of_counting_it_twice(load):
+    await load.reserve("q1", "A", 500)
+    await load.reserve("q1", "B", 200)  # Serve sent it elsewhere, or a retry
+    a, b = (await load.loads(["A", "B"])).values()
+    assert (a.inflight, a.prefill_tokens, b.inflight, b.prefill_tokens) == (0, 0, 1, 200)
+    await load.release("q1")
+    b = await _load(load, "B")
+    assert (b.inflight, b.prefill_tokens) == (0, 0)
+
+
+async def test_a_removed_replica_has_no_load_and_its_requests_release_cleanly(load):
+    await load.reserve("q1", "A", 500)
+    await load.reserve("q2", "B", 100)
+    await load.remove_replica("A")
+    a, b = (await load.loads(["A", "B"])).values()
+    assert (a.inflight, a.prefill_tokens, b.inflight) == (0, 0, 1)
+    await load.release("q1")  # its ingress finishes it later: nothing goes negative
+    a = await _load(load)
+    assert (a.inflight, a.prefill_tokens) == (0, 0)

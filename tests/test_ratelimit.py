@@ -1,0 +1,99 @@
+"""Per-tenant rate limits (router/serve/ratelimit.py): in Redis (shared by routers), in
+fakeredis, on the TLS/ACL Redis, and in one process; one sliding-minute rule."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import pytest
+
+from router.clock import ManualClock
+from router.index.redis import RedisConnections
+from router.serve.auth import Tenant
+from router.serve.errors import OpenAIError
+from router.serve.ratelimit import RateLimiter, max_output_tokens, request_tokens
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+
+
+@pytest.fixture(params=["memory", "redis", "fakeredis", "redis-tls-acl"])
+def make_limiter(request):
+    """A factory of limiters sharing one store (several routers), on one clock."""
+    clock = ManualClock(120.0 * (int(time.time()) // 120))  # at a window's start
+    ns = f"test-{uuid.uuid4().hex[:8]}"
+    if request.param == "memory":
+        one = RateLimiter(None, ns, clock)
+        return lambda: one, clock
+    if request.param == "redis-tls-acl":
+        secure = request.getfixturevalue("secure_redis")
+        conn = RedisConnections(secure.url, 2.0, secure.connection_kwargs)
+    else:
+        conn = RedisConnections(REDIS_URL, 2.0)
+    if request.param == "fakeredis":
+        import fakeredis
+        fake = fakeredis.FakeAsyncRedis()
+        conn.client = lambda *timeout: fake
+    return (lambda: RateLimiter(conn, ns, clock)), clock
+
+
+async def test_requests_per_minute_are_shared_and_refused_with_retry_after(make_limiter):
+    make, clock = make_limiter
+    routers = [make(), make()]
+    t = Tenant("acme", requests_per_minute=4)
+    for i in range(4):
+        await routers[i % 2].check(t, 10)
+    clock.advance(15.0)
+    with pytest.raises(OpenAIError) as err:
+        await routers[0].check(t, 10)
+    e = err.value
+    assert e.status == 429 and e.body()["error"]["type"] == "RateLimitError"
+    assert e.headers["retry-after"] == "45" and e.headers["x-ratelimit-limit-requests"] == "4"
+    assert e.headers["x-ratelimit-remaining-requests"] == "0"
+    await routers[1].check(Tenant("other", requests_per_minute=4), 10)  # tenants apart
+    clock.advance(45.0 + 30.0)  # half of the last window still inside the sliding minute
+    await routers[1].check(t, 10)  # 4 * 0.5 + 0 used: room for 2 more
+    await routers[0].check(t, 10)
+    with pytest.raises(OpenAIError):
+        await routers[0].check(t, 10)
+
+
+async def test_tokens_per_minute_count_prompt_and_budget_and_refuse_without_counting(
+        make_limiter):
+    make, _ = make_limiter
+    limiter = make()
+    t = Tenant("acme", requests_per_minute=100, tokens_per_minute=1000)
+    await limiter.check(t, 700)
+    with pytest.raises(OpenAIError) as err:
+        await limiter.check(t, 400)  # would be 1,100
+    assert "tokens" in err.value.message and err.value.headers["retry-after"]
+    await limiter.check(t, 300)  # the refused one was not counted
+    with pytest.raises(OpenAIError) as err:
+        await limiter.check(Tenant("big", tokens_per_minute=1000), 5000)
+    assert "retry-after" not in err.value.headers  # waiting would not help
+
+
+async def test_no_limits_no_tenant_no_check(make_limiter):
+    make, _ = make_limiter
+    limiter = make()
+    for _ in range(50):
+        await limiter.check(None, 10**9)
+        await limiter.check(Tenant("free"), 10**9)
+
+
+async def test_redis_down_counts_in_this_process():
+    conn = RedisConnections("redis://127.0.0.1:1/0", 0.05)
+    limiter = RateLimiter(conn, "t", ManualClock(0.0))
+    t = Tenant("acme", requests_per_minute=2)
+    await limiter.check(t, 1)
+    await limiter.check(t, 1)
+    with pytest.raises(OpenAIError):
+        await limiter.check(t, 1)
+
+
+def test_a_requests_tokens_are_its_prompt_and_what_it_may_generate():
+    assert max_output_tokens({"max_tokens": 100}) == 100
+    assert max_output_tokens({"max_completion_tokens": 50, "max_tokens": 9, "n": 3}) == 150
+    assert max_output_tokens({"max_tokens": True}) == 0 and max_output_tokens({}) == 0
+    assert request_tokens(1000, 100, 99999) == 1100
+    assert request_tokens(0, 10, 4000) == 1010  # not tokenized: a token per 4 bytes
