@@ -299,12 +299,38 @@ async def test_a_release_that_fails_is_retried_until_redis_takes_it(own_redis):
     await load.release("lost")
     assert load.pending_releases == {"lost"}  # Redis did not take it: kept for the heartbeat
     assert admin.hget("t:leases", "lost") is not None
+    assert int(admin.hget("t:load", "a:n")) == 1  # Redis still counts the request ...
+    assert (await load.loads(["a"]))["a"].inflight == 0  # ... this router knows it is over
     for _ in range(100):
         if not load.pending_releases:
             break
         await asyncio.sleep(0.1)
     assert load.pending_releases == set() and admin.hgetall("t:leases") == {}
     assert int(admin.hget("t:load", "a:n")) == 0 and int(admin.hget("t:load", "a:p")) == 0
+    await load.close()
+    await conn.close()
+
+
+async def test_a_reservation_redis_did_not_take_in_time_still_counts_in_the_loads(own_redis):
+    """A reservation whose write missed the routing bound is this router's alone: its loads
+    count it anyway (admission's bound and the next decisions see the request), until its
+    release; if the write landed late, the release ends it in Redis too."""
+    import redis as sync_redis
+    conn = RedisConnections(own_redis.url, 0.05)
+    load = RedisLoadTracker(conn, "t")
+    admin = sync_redis.Redis.from_url(own_redis.url)
+    admin.execute_command("CLIENT", "PAUSE", 400, "WRITE")  # reads are still answered
+    await load.reserve("w", "a", 100)
+    assert admin.hget("t:load", "a:n") in (None, b"0")
+    got = (await load.loads(["a"]))["a"]
+    assert (got.inflight, got.prefill_tokens) == (1, 100)
+    await load.prefill_done("w")
+    assert (await load.loads(["a"]))["a"].prefill_tokens == 0
+    await asyncio.sleep(0.5)  # the paused write has landed by now
+    await load.release("w")
+    # (whether the cancelled write ever reached Redis depends on the client library)
+    assert int(admin.hget("t:load", "a:n") or 0) == 0 and admin.hgetall("t:leases") == {}
+    assert (await load.loads(["a"]))["a"].inflight == 0
     await load.close()
     await conn.close()
 

@@ -67,6 +67,13 @@ class MemoryLoadTracker(LoadTracker):
         if not res.prefill_done:
             load.prefill_tokens -= res.prefill_tokens
 
+    def reservation(self, request_id: str) -> Reservation | None:
+        """A copy of ``request_id``'s reservation, or None."""
+        with self._lock:
+            res = self._res.get(request_id)
+            return None if res is None else Reservation(res.replica, res.prefill_tokens,
+                                                        res.prefill_done)
+
     def release_now(self, request_id: str) -> None:
         with self._lock:
             self._release_locked(request_id)

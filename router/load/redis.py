@@ -30,7 +30,7 @@ from typing import Sequence
 from router.clock import Clock, SystemClock
 from router.index.base import IndexUnavailable
 from router.index.redis import RedisConnections
-from router.load.base import LoadTracker, ReplicaLoad
+from router.load.base import LoadTracker, ReplicaLoad, Reservation
 from router.load.memory import MemoryLoadTracker
 from router.logs import get_logger
 from router.redis_keys import LoadField, RedisKeys, ScriptCache
@@ -64,6 +64,10 @@ class RedisLoadTracker(LoadTracker):
         self._attempt_ids = itertools.count(1)
         self._owners: dict[str, str] = {}  # request id -> its current lease's owner
         self._unreleased: dict[str, str] = {}  # releases Redis has not taken: id -> owner
+        # what Redis's counts are known to miss or to hold past its time, per request id
+        # (corrected in ``loads``): reservations whose write failed, releases not taken
+        self._unsynced: dict[str, Reservation] = {}
+        self._stale: dict[str, Reservation] = {}
 
     @property
     def pending_releases(self) -> set[str]:
@@ -126,7 +130,22 @@ class RedisLoadTracker(LoadTracker):
         for i, r in enumerate(replicas):
             n, p, t = (float(v) if v is not None else 0.0 for v in vals[3 * i:3 * i + 3])
             out[r] = ReplicaLoad(int(n), int(p), t / 1000)
+        self._correct(out)
         return out
+
+    def _correct(self, loads: dict[str, ReplicaLoad]) -> None:
+        """Redis's counts as this router knows them to be: plus its reservations whose write
+        failed (Redis may have taken one after all: then it counts twice until released, a
+        wait too many, never a slot handed out twice), minus its releases Redis has not
+        taken yet (the request is over; the count falls when the retry lands)."""
+        for sign, held in ((1, self._unsynced), (-1, self._stale)):
+            for res in list(held.values()):
+                load = loads.get(res.replica)
+                if load is None:
+                    continue
+                load.inflight = max(load.inflight + sign, 0)
+                if not res.prefill_done:
+                    load.prefill_tokens = max(load.prefill_tokens + sign * res.prefill_tokens, 0)
 
     async def reserve(self, request_id: str, replica: str, prefill_tokens: int) -> None:
         self.ensure_heartbeat()
@@ -151,11 +170,15 @@ class RedisLoadTracker(LoadTracker):
         try:
             await self.conn.call(run)
             self._unreleased.pop(request_id, None)  # the script released any earlier lease
+            self._stale.pop(request_id, None)
+            self._unsynced.pop(request_id, None)
         except IndexUnavailable:
-            pass
+            self._unsynced[request_id] = Reservation(replica, int(prefill_tokens))
 
     async def prefill_done(self, request_id: str) -> None:
         self.local.prefill_done_now(request_id)
+        if request_id in self._unsynced:
+            self._unsynced[request_id].prefill_done = True
         owner = self._owners.get(request_id, "")
         try:
             await self.conn.call(lambda c: self.scripts.of(c).lease(
@@ -167,12 +190,17 @@ class RedisLoadTracker(LoadTracker):
         """Release the request's lease. It must not be lost: a lease of a live router is
         never swept, so a release that fails (Redis slow or down) is kept and retried with
         every heartbeat until Redis takes it (docs/fault-cases.md 5.1)."""
+        held = self.local.reservation(request_id)
         self.local.release_now(request_id)
         owner = self._owners.pop(request_id, "")
+        if self._unsynced.pop(request_id, None) is not None:
+            held = None  # Redis never counted it (or counts it, and the release ends it)
         try:
             await self._release(request_id, owner)
         except IndexUnavailable:
             self._unreleased[request_id] = owner
+            if held is not None:
+                self._stale[request_id] = held
             self.ensure_heartbeat()
 
     async def _release(self, request_id: str, owner: str) -> None:
@@ -186,6 +214,7 @@ class RedisLoadTracker(LoadTracker):
             keys=self.keys, args=["release", request_id, owner]), maintenance=True)
         if self._unreleased.get(request_id) == owner:
             del self._unreleased[request_id]
+            self._stale.pop(request_id, None)
 
     async def retry_releases(self) -> int:
         """Retry the releases that failed; returns how many are still pending.
@@ -199,6 +228,9 @@ class RedisLoadTracker(LoadTracker):
 
     async def remove_replica(self, replica: str) -> None:
         await self.local.remove_replica(replica)
+        for held in (self._unsynced, self._stale):
+            for rid in [k for k, v in held.items() if v.replica == replica]:
+                del held[rid]
         try:
             await self.conn.call(lambda c: self.scripts.of(c).lease(keys=self.keys,
                                                                    args=["purge", replica]))
@@ -210,6 +242,8 @@ class RedisLoadTracker(LoadTracker):
         the attempt of ``lease_owner``; the script also released any earlier lease of the
         id): mirror it locally, and forget a release of the id still pending."""
         self._unreleased.pop(request_id, None)
+        self._stale.pop(request_id, None)
+        self._unsynced.pop(request_id, None)
         self.local.reserve_now(request_id, replica, prefill_tokens)
 
     async def close(self) -> None:

@@ -18,7 +18,9 @@ The bound is soft across router processes. Two ingresses may each admit into the
 slot at the same moment, so the fleet can exceed it by at most one request per ingress
 process. Within a process, requests admitted but not yet reserved count as taken
 (``reserved`` ends that, called by ``route_request`` once the decision holds its
-reservation), so concurrent looks do not hand out one slot twice. While a bound is set,
+reservation), so concurrent looks do not hand out one slot twice; a request that was
+pending when a look began counts as taken in that look even if it reserved meanwhile (the
+load read may predate its reservation). While a bound is set,
 each admission costs one load read (one Redis round trip with the Redis tracker).
 """
 
@@ -112,10 +114,14 @@ class Admission:
     async def _room(self, replicas: Sequence[str]) -> int:
         if not replicas:  # the replica set is not known yet: nothing to count slots on
             return 1
+        # A request reserved while the loads are read may be missing from both the read
+        # and the pending set after it: those pending before the read count too.
+        with self._pending_lock:
+            before = set(self._pending)
         loads = await self.load.loads(list(replicas))
         free = sum(max(self.bound - loads[r].inflight, 0) for r in replicas)
         with self._pending_lock:
-            return free - len(self._pending)
+            return free - len(before | self._pending)
 
     async def admit(self, request_id: str, replicas: Callable[[], Sequence[str]],
                     priority: int = 0) -> float:

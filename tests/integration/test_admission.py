@@ -17,7 +17,8 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def bounded(serve_http_port, model_dir):
-    # each decode step 20 ms: a 100-token answer holds its slot for about 2 s
+    # each decode step 40 ms: a 100-token answer holds its slot for about 4 s, longer than
+    # the burst takes to arrive on a loaded machine (no slot frees during it)
     svc = run_app(serve_http_port, "bounded", "/bounded", model=str(model_dir), engine="sim",
                   num_replicas=2, replica_num_cpus=0.1, ingress_num_cpus=0.1,
                   redis_url=REDIS_URL, redis_timeout_s=1.0,  # a healthy Redis: the
@@ -25,7 +26,7 @@ def bounded(serve_http_port, model_dir):
                   # on a loaded machine is this process's alone, and the bound soft)
                   max_inflight_per_replica=2, queue_timeout_s=0.3,
                   retry_after_s=2, engine_priority_scheduling=True,
-                  extra_engine_args=["--step-model", "0.02,0.00002,0.0002,0"])
+                  extra_engine_args=["--step-model", "0.04,0.00002,0.0002,0"])
     yield svc
     from ray import serve
     serve.delete("bounded")
@@ -58,7 +59,7 @@ def test_overload_is_refused_fast_with_retry_after_and_admitted_requests_finish(
         if r.status_code == 429:
             assert r.headers["retry-after"] == "2"
             assert r.json()["error"]["type"] == "RateLimitError"
-            assert elapsed < 1.5  # the queue timeout and a routing step, not an answer's 2 s
+            assert elapsed < 1.5  # the queue timeout and a routing step, not an answer's 4 s
         else:
             assert r.json()["usage"]["completion_tokens"] == 100
     wait_until(lambda: metric_sum(bounded.client.get("/metrics").text,

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.integration
 def run_conversation(service, tokenizer, seed: str, turns: int = 5, policy: str | None = None,
                      system_tokens: int = 1000):
     """A multi-turn chat with a ~``system_tokens`` system prompt; returns per-turn
-    (replica, prompt_tokens, cached_tokens, predicted)."""
+    (replica, prompt_tokens, cached_tokens, predicted, routing reason)."""
     messages = [{"role": "system", "content": make_text(system_tokens, seed, tokenizer)}]
     out = []
     for k in range(turns):
@@ -30,7 +30,8 @@ def run_conversation(service, tokenizer, seed: str, turns: int = 5, policy: str 
         usage = body["usage"]
         out.append((r.headers["x-routed-replica"], usage["prompt_tokens"],
                     usage["prompt_tokens_details"]["cached_tokens"],
-                    int(r.headers["x-predicted-cached-tokens"])))
+                    int(r.headers["x-predicted-cached-tokens"]),
+                    r.headers["x-routing-reason"]))
         messages.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
     return out
 
@@ -53,7 +54,7 @@ def test_conversations_with_different_system_prompts_spread_over_both_replicas(s
         turns = run_conversation(service, tokenizer, f"e2e-spread-{i}", turns=2,
                                  system_tokens=300)
         first_replicas.append(turns[0][0])
-        assert turns[1][0] == turns[0][0]
+        assert turns[1][0] == turns[0][0], (turns, service.client.get("/replicas").json())
     counts = {r: first_replicas.count(r) for r in set(first_replicas)}
     assert len(counts) == 2, counts
     assert min(counts.values()) >= 2, counts
