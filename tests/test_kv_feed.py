@@ -156,6 +156,60 @@ async def test_a_restarted_engines_first_batches_are_applied_after_a_replay(tmp_
     await feed.stop()
 
 
+async def test_a_restarted_engines_first_batch_published_before_the_reconnect_is_applied(
+        tmp_path):
+    """The new engine publishes its first batch (sequence 0) at once, before ZMQ has
+    reconnected the subscriber to it, and nothing after: PUB/SUB drops it, so only the
+    replay that follows the reconnection delivers it (it was never applied, and the feed
+    then looked silent)."""
+    ep, rp = endpoints(tmp_path)
+    pub = EventPublisher(ep, rp, "r1")
+    task = asyncio.create_task(pub.serve_replay())
+    index = MemoryPrefixIndex()
+    feed = EventFeed("r1", ep, rp, index, flush_interval_s=0.001)
+    feed.start()
+    await asyncio.sleep(0.2)
+    for i in range(3):
+        await pub.publish([KVEvent("stored", [10 + i], 9 + i if i else None)], 32)
+    await until(lambda: _matched(index, [10, 11, 12], 3))
+    task.cancel()
+    pub.pub.close()
+    pub.replay.close()
+    pub2 = EventPublisher(ep, rp, "r1")
+    await pub2.publish([KVEvent("stored", [50], None)], 32)  # nobody is connected yet
+    task2 = asyncio.create_task(pub2.serve_replay())
+    await until(lambda: _matched(index, [50], 1))
+    assert (await index.lookup([10], ["r1"]))["r1"] == 0
+    assert feed.subscriber.restarts == 1 and feed.subscriber.connections >= 2
+    await pub2.publish([KVEvent("stored", [51], 50)], 32)  # and the live feed goes on
+    await until(lambda: _matched(index, [50, 51], 2))
+    assert feed.subscriber.restarts == 1
+    task2.cancel()
+    await feed.stop()
+
+
+async def test_a_reconnect_to_the_same_engine_delivers_nothing_twice(tmp_path):
+    """A new connection to an engine that did not restart replays its buffer: what was
+    delivered already is skipped, so no restart is seen and nothing is cleared."""
+    ep, rp = endpoints(tmp_path)
+    pub = EventPublisher(ep, rp, "r1")
+    task = asyncio.create_task(pub.serve_replay())
+    index = MemoryPrefixIndex()
+    feed = EventFeed("r1", ep, rp, index, flush_interval_s=0.001)
+    feed.start()
+    await asyncio.sleep(0.2)
+    await pub.publish([KVEvent("stored", [1, 2], None)], 32)
+    await until(lambda: _matched(index, [1, 2], 2))
+    sub = feed.subscriber
+    batches = [b async for b in sub._sync()]  # what a second connection's sync yields
+    assert batches == [] and sub.restarts == 0 and sub.last_seq == 0
+    await pub.publish([KVEvent("stored", [3], 2)], 32)
+    await until(lambda: _matched(index, [1, 2, 3], 3))
+    assert sub.restarts == 0 and sub.gaps == 0
+    task.cancel()
+    await feed.stop()
+
+
 def test_feed_health_reports_silence_only_once_the_engine_computed_a_whole_block():
     """Counters as the replica scrapes them (computed prompt tokens, finished requests,
     running + waiting), block size 32."""
