@@ -189,6 +189,15 @@ class Settings(BaseSettings):
                                "before its 429 (s).")
     retry_after_s: int = Field(
         1, ge=1, description="Retry-After of the admission 429 (s).")
+    sse_keepalive_s: Optional[float] = Field(
+        15.0, gt=0, description="A streaming request that has no answer to send yet after "
+                                "this long (waiting in the admission queue, or for its "
+                                "engine's first byte) gets its 200 and an SSE comment "
+                                "(': keep-alive') every sse_keepalive_s, so that proxies "
+                                "with idle timeouts (nginx and AWS ALB: 60 s) keep the "
+                                "connection; a refusal or error after that arrives as an "
+                                "SSE error event. None: never (the status waits for the "
+                                "answer).")
     priority_header: str = Field(
         "x-priority", description="Request header of a request's priority (an integer; lower "
                                   "is served first, as vLLM's priority field). With API keys, "

@@ -70,6 +70,10 @@ def _make() -> dict[str, Any]:
             "router tokenized them: head (no replica held the head; routed on it) or whole "
             "(a replica held it, or it had no full block to look up).",
             tag_keys=("tokenized",)),
+        "keepalive_streams": Counter(
+            "router_keepalive_streams_total",
+            "Streaming requests that had nothing to send within sse_keepalive_s and got SSE "
+            "keep-alives while they waited (queue or engine).", tag_keys=("route",)),
         "retries": Counter("router_retries_total",
                            "Requests retried on another replica before the first byte.",
                            tag_keys=("reason",)),

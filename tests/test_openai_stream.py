@@ -45,3 +45,19 @@ def test_a_stream_without_done_is_a_failure():
     s = Sample("chat", 200, True)
     read_stream(_events(_delta("a"), _delta("b"), done=False), s, time.perf_counter())
     assert not s.ok and "[DONE]" in s.error
+
+
+def test_keep_alive_comments_are_not_content_and_do_not_start_the_ttft():
+    """The router's SSE comments while a stream waits (``: keep-alive``) are skipped: the
+    time to first token is the first content delta's."""
+    s = Sample("chat", 200, True)
+    t0 = time.perf_counter()
+
+    def lines():
+        yield ": keep-alive"
+        yield ""
+        time.sleep(0.05)
+        yield from _events(_delta("a"))
+
+    read_stream(lines(), s, t0)
+    assert s.ok and s.text == "a" and s.output_chunks == 1 and s.ttft_s >= 0.05

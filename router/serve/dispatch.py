@@ -20,7 +20,7 @@ from fastapi.responses import StreamingResponse
 from router import metrics
 from router.logs import get_logger
 from router.routing.core import route_request
-from router.serve.errors import no_replicas
+from router.serve.errors import OpenAIError, no_replicas
 from router.serve.protocol import HOP_HEADERS, ReplicaHead, RoutedRequest
 
 if TYPE_CHECKING:
@@ -321,3 +321,80 @@ class GuardedStreamingResponse(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             await self.dispatch.close()
+
+
+KEEPALIVE = b": keep-alive\n\n"  # an SSE comment: clients ignore it (WHATWG HTML 9.2.6)
+
+
+def sse_error_event(body: bytes | dict) -> bytes:
+    """An OpenAI-style error body (JSON bytes or dict) as an SSE event, then ``[DONE]``:
+    how a refusal or an error reaches a client whose stream has started already."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return b"data: " + data.strip() + b"\n\ndata: [DONE]\n\n"
+
+
+class KeepAliveStreamingResponse(StreamingResponse):
+    """A streaming request's 200 sent before its answer exists, to keep idle proxies from
+    cutting the connection while the request waits (``Settings.sse_keepalive_s``).
+
+    ``answer`` is the task that admits, routes and dispatches the request and returns the
+    response it would have sent. Until it is done, an SSE comment (``KEEPALIVE``) goes out
+    every ``interval_s``; then the answer's stream follows (its headers, sent already, are
+    lost: the router's ``x-routed-replica`` and its kind are absent from such a response).
+    An answer that is an error (an ``OpenAIError``, such as the admission's 429, or an
+    engine's non-200 body) becomes one SSE error event and ``[DONE]``. The comments are not
+    the engine's bytes: the retry of a failed first attempt is still allowed after them.
+    A client that leaves cancels the answer (its admission wait and reservation end) and
+    closes its dispatch.
+    """
+
+    def __init__(self, answer: asyncio.Task, interval_s: float, **kwargs):
+        self.answer = answer
+        self.interval_s = interval_s
+        self.inner: StreamingResponse | None = None
+        super().__init__(self._body(), media_type="text/event-stream", **kwargs)
+
+    async def _body(self) -> AsyncIterator[bytes]:
+        while not self.answer.done():
+            done, _ = await asyncio.wait({self.answer}, timeout=self.interval_s)
+            if not done:
+                yield KEEPALIVE
+        try:
+            inner = self.answer.result()
+        except OpenAIError as exc:
+            yield sse_error_event(exc.body())
+            return
+        except Exception as exc:  # a bug: the same error body as the ingress's 500
+            logger.exception("streaming request failed after its keep-alives")
+            yield sse_error_event(OpenAIError(500, f"internal router error: "
+                                                   f"{type(exc).__name__}",
+                                              "InternalServerError").body())
+            return
+        self.inner = inner if isinstance(inner, StreamingResponse) else None
+        if inner.status_code == 200 and self.inner is not None:
+            async for chunk in self.inner.body_iterator:
+                yield chunk
+            return
+        if self.inner is not None:
+            body = b"".join([c if isinstance(c, bytes) else c.encode()
+                             async for c in self.inner.body_iterator])
+        else:
+            body = bytes(inner.body)
+        yield sse_error_event(body)
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            if not self.answer.done():
+                self.answer.cancel()
+                try:
+                    await self.answer
+                except BaseException:  # noqa: BLE001 - cancelled or failed: it is over
+                    pass
+            inner = self.inner if self.inner is not None else (
+                self.answer.result() if self.answer.done() and not self.answer.cancelled()
+                and self.answer.exception() is None else None)
+            dispatch = getattr(inner, "dispatch", None)
+            if dispatch is not None:
+                await dispatch.close()

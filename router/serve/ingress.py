@@ -48,6 +48,7 @@ from router.serve.dispatch import (
     Attempt,
     DirectAttempt,
     GuardedStreamingResponse,
+    KeepAliveStreamingResponse,
     ServeAttempt,
 )
 from router.serve.errors import OpenAIError, bad_request, invalid_body, no_replicas
@@ -331,7 +332,31 @@ class IngressCore:
         route = route_label(path)
         await self.rate_limits.check(tenant, request_tokens(
             req.prompt_tokens, req.max_output_tokens, len(req.body)))
-        await self.admission.admit(req.request_id, self._usable_replica_ids, prio)
+        interval = self.settings.sse_keepalive_s
+        if not req.stream or interval is None:
+            return await self._answer(req, attempt_cls, route, prio)
+        # a stream that has nothing to send within the keep-alive interval starts with
+        # keep-alives instead (router.serve.dispatch.KeepAliveStreamingResponse)
+        answer = asyncio.ensure_future(self._answer(req, attempt_cls, route, prio))
+        try:
+            done, _ = await asyncio.wait({answer}, timeout=interval)
+        except asyncio.CancelledError:
+            answer.cancel()
+            raise
+        if done:
+            return answer.result()
+        metrics.inc("keepalive_streams", tags={"route": route})
+        return KeepAliveStreamingResponse(answer, interval)
+
+    async def _answer(self, req: RoutedRequest, attempt_cls: type[Attempt], route: str,
+                      priority: int) -> Response:
+        """Admit ``req``, then route and dispatch it, retrying once on another replica
+        (``handle``'s rules); returns the response to send.
+
+        Raises:
+            OpenAIError: 429 (overloaded), 503 (no replica).
+        """
+        await self.admission.admit(req.request_id, self._usable_replica_ids, priority)
         try:  # route_request ends the admission's hold once the decision has reserved
             for attempt in (1, 2):
                 dispatch = attempt_cls(self, req, route)

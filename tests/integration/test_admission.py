@@ -24,12 +24,47 @@ def bounded(serve_http_port, model_dir):
                   redis_url=REDIS_URL, redis_timeout_s=1.0,  # a healthy Redis: the
                   # bound is exact then (a reservation that misses Redis's 50 ms default
                   # on a loaded machine is this process's alone, and the bound soft)
-                  max_inflight_per_replica=2, queue_timeout_s=0.3,
+                  max_inflight_per_replica=2, queue_timeout_s=0.3, sse_keepalive_s=0.1,
                   retry_after_s=2, engine_priority_scheduling=True,
                   extra_engine_args=["--step-model", "0.04,0.00002,0.0002,0"])
     yield svc
     from ray import serve
     serve.delete("bounded")
+
+
+def test_a_stream_that_waits_in_the_queue_gets_keep_alives_then_its_refusal_as_an_event(
+        bounded):
+    """Every slot taken: a streaming request that waits past sse_keepalive_s has its 200
+    and SSE comments while it waits, then the admission's 429 as an error event and
+    [DONE], within about the queue timeout. First in this module: the admission's drain
+    rate then knows only this test's 4 grants, so the request waits (about 0.1 s ahead of
+    it) instead of being refused on arrival as one that could not get a slot in time."""
+    body = {"model": "tiny-qwen2", "max_tokens": 100, "ignore_eos": True}
+
+    async def scenario():
+        async with httpx.AsyncClient(base_url=bounded.url, timeout=60) as client:
+            holders = [asyncio.create_task(client.post("/v1/chat/completions", json=dict(
+                body, messages=[{"role": "user", "content": f"{i} hold a slot"}])))
+                for i in range(4)]
+            await asyncio.sleep(1.0)  # the 4 slots are taken (their answers take 4 s)
+            t0 = time.monotonic()
+            async with client.stream("POST", "/v1/chat/completions", json=dict(
+                    body, stream=True, messages=[{"role": "user", "content": "wait"}])) as r:
+                status = r.status_code
+                text = "".join([c async for c in r.aiter_text()])
+            elapsed = time.monotonic() - t0
+            held = await asyncio.gather(*holders)
+            return status, text, elapsed, [h.status_code for h in held]
+
+    status, text, elapsed, held = asyncio.run(scenario())
+    assert held == [200] * 4
+    assert status == 200 and text.startswith(": keep-alive\n\n"), text
+    events = [e for e in text.split("\n\n") if e.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) == 2, text
+    import json
+    error = json.loads(events[0][len("data: "):])["error"]
+    assert error["code"] == 429 and error["type"] == "RateLimitError", error
+    assert elapsed < 1.5, elapsed
 
 
 def test_overload_is_refused_fast_with_retry_after_and_admitted_requests_finish(bounded):
@@ -82,3 +117,4 @@ def test_the_priority_header_reaches_the_engine_and_a_bad_one_is_a_400(bounded):
     assert {k: v for k, v in received[-1].items() if k != "priority"} == body
     bad = bounded.client.post("/v1/chat/completions", json=body, headers={"x-priority": "top"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-priority"
+
