@@ -191,6 +191,44 @@ def make_model(out_dir: str | Path, shape: str = "tiny") -> Path:
     return out
 
 
+def make_lora(out_dir: str | Path, model_dir: str | Path, rank: int = 8,
+              seed: int = 0) -> Path:
+    """Write a LoRA adapter for the model in ``model_dir`` into ``out_dir`` (PEFT's
+    format, as vLLM loads it: ``adapter_config.json`` and ``adapter_model.safetensors``
+    with ``lora_A`` [rank, in] and ``lora_B`` [out, rank] of every layer's ``q_proj`` and
+    ``v_proj``, random small weights from ``seed``); returns its path.
+
+    Raises:
+        FileNotFoundError: ``model_dir`` has no ``config.json``.
+    """
+    import torch
+    from safetensors.torch import save_file
+
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    hidden = cfg["hidden_size"]
+    head = hidden // cfg["num_attention_heads"]
+    outs = {"q_proj": cfg["num_attention_heads"] * head,
+            "v_proj": cfg["num_key_value_heads"] * head}
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(cfg["num_hidden_layers"]):
+        for module, out_features in outs.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, hidden, generator=gen) * 0.01
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out_features, rank,
+                                                             generator=gen) * 0.01
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to(torch.float32).contiguous() for k, v in tensors.items()},
+              str(out / "adapter_model.safetensors"))
+    (out / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank,
+        "lora_dropout": 0.0, "bias": "none", "target_modules": sorted(outs),
+        "base_model_name_or_path": str(model_dir), "fan_in_fan_out": False,
+        "modules_to_save": None, "use_rslora": False, "use_dora": False}, indent=1))
+    return out
+
+
 def ensure_model(out_dir: str | Path, shape: str = "tiny") -> Path:
     """``make_model`` unless ``out_dir`` already holds a complete model directory."""
     out = Path(out_dir)
@@ -205,9 +243,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent.parent
                                          / "models" / "tiny-qwen2"))
     ap.add_argument("--force", action="store_true", help="regenerate even if present")
+    ap.add_argument("--lora", metavar="DIR", help="also write a LoRA adapter for the model "
+                                                  "into DIR (make_lora)")
+    ap.add_argument("--lora-rank", type=int, default=8)
     a = ap.parse_args(argv)
     path = make_model(a.out, a.shape) if a.force else ensure_model(a.out, a.shape)
     print(path)
+    if a.lora:
+        print(make_lora(a.lora, path, a.lora_rank))
     return 0
 
 

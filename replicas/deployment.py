@@ -56,20 +56,31 @@ def _node_ip() -> str:
         return "127.0.0.1"
 
 
+def _rank_of(ctx) -> tuple[int, int]:
+    """(rank, world size) of a Serve replica context (Serve's ``ReplicaRank.rank``)."""
+    rank = getattr(ctx, "rank", None)
+    rank = getattr(rank, "rank", rank)
+    return int(rank or 0), int(getattr(ctx, "world_size", 1) or 1)
+
+
 class EngineReplica:
     """One engine behind Ray Serve. Constructed by Serve with the settings as a dict."""
 
     async def __init__(self, settings: dict[str, Any]):
         self.settings = Settings(**settings)
         try:
-            self.replica_id = serve.get_replica_context().replica_id.unique_id
+            ctx = serve.get_replica_context()
+            self.replica_id = ctx.replica_id.unique_id
+            rank, world = _rank_of(ctx)
         except Exception:  # constructed outside Serve (tests)
             self.replica_id = f"local-{os.getpid()}"
+            rank, world = 0, 1
+        self.lora_adapters = self.settings.adapters_for(rank, world)
         self.device = _detect_device(self.settings.device)
         self.ports = EnginePorts.allocate(f"{self.replica_id}-{os.getpid()}",
                                           self.settings.kv_events_dir)
         self.engine = EngineProcess(self.settings, self.ports, topic=self.replica_id,
-                                    device=self.device)
+                                    device=self.device, lora_adapters=self.lora_adapters)
         self.restarts = 0
         self.failed = False
         self.started_at = time.time()
@@ -100,6 +111,7 @@ class EngineReplica:
             kv_replay_endpoint=self.ports.kv_replay or "", kv_events_topic=self.replica_id,
             model=self.settings.served_model_name, device=self.device,
             hash_probe=self.hash_probe, hash_settings=self.settings.hash_settings.as_dict(),
+            lora_adapters=[a.name for a in self.lora_adapters],
         ).to_dict()
 
     async def record_routing_stats(self) -> dict[str, Any]:

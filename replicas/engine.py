@@ -110,8 +110,10 @@ class EngineProcess:
     """
 
     def __init__(self, settings: Settings, ports: EnginePorts, topic: str, device: str,
-                 log_dir: str | None = None, extra_env: dict[str, str] | None = None):
+                 log_dir: str | None = None, extra_env: dict[str, str] | None = None,
+                 lora_adapters: list | None = None):
         self.settings = settings
+        self.lora_adapters = list(lora_adapters or [])  # config.LoraAdapter, those it loads
         self.ports = ports
         self.topic = topic
         self.device = device
@@ -177,6 +179,10 @@ class EngineProcess:
                 cmd += ["--kv-cache-memory-bytes", str(int(s.kv_cache_memory_gib * 2**30))]
         if s.tool_call_parser:
             cmd += ["--enable-auto-tool-choice", "--tool-call-parser", s.tool_call_parser]
+        if self.lora_adapters:
+            cmd += ["--enable-lora", "--max-lora-rank", str(s.max_lora_rank),
+                    "--max-loras", str(len(self.lora_adapters)),
+                    "--lora-modules", *(f"{a.name}={a.path}" for a in self.lora_adapters)]
         return cmd + list(s.extra_engine_args)
 
     def env(self) -> dict[str, str]:

@@ -62,6 +62,25 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def with_adapters(content: bytes, adapters) -> bytes:
+    """An engine's ``/v1/models`` answer with a card for every configured LoRA adapter
+    (``config.LoraAdapter``) it lacks: one engine answers, and adapters loaded on some
+    replicas only are missing from the others' lists. A card is the base model's, with the
+    adapter's ``id``, its path as ``root`` and the base model as ``parent``, as vLLM lists
+    the adapters it loads. An answer that is not such a list is returned unchanged."""
+    try:
+        listing = json.loads(content)
+        cards = listing["data"]
+        base = next(c for c in cards if c.get("parent") is None)
+    except (ValueError, KeyError, TypeError, StopIteration):
+        return content
+    have = {c.get("id") for c in cards}
+    for a in adapters:
+        if a.name not in have:
+            cards.append({**base, "id": a.name, "root": a.path, "parent": base.get("id")})
+    return json.dumps(listing).encode()
+
+
 @serve.deployment(name="Ingress")
 @serve.ingress(fastapi_app)
 class Ingress:
@@ -131,7 +150,12 @@ class Ingress:
     @fastapi_app.get("/v1/models", **openapi_route(None))
     async def models(self, request: Request) -> Response:
         self.keys.authenticate(request.headers.get("authorization"))
-        return await self._any_engine("GET", "/v1/models")
+        resp = await self._any_engine("GET", "/v1/models")
+        if resp.status_code != 200 or not self.settings.lora_adapters:
+            return resp
+        return Response(with_adapters(resp.body, self.settings.lora_adapters),
+                        status_code=200, headers={k: v for k, v in resp.headers.items()
+                                                  if k.lower() != "content-length"})
 
     @fastapi_app.post("/tokenize")
     async def tokenize(self, request: Request) -> Response:

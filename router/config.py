@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -24,6 +24,34 @@ from router.hashing import HashSettings
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL_DIR = REPO_ROOT / "models" / "tiny-qwen2"
+
+
+class LoraAdapter(BaseModel):
+    """A LoRA adapter the engines serve: ``model: <name>`` in a request selects it.
+
+    Attributes:
+        name: the model name clients send (vLLM's ``--lora-modules name=path``).
+        path: the adapter's directory (PEFT format: ``adapter_config.json`` and
+            ``adapter_model.safetensors``) as the engines' nodes see it. vLLM 0.32 mixes
+            this string into every block hash (``("lora", name, path)``), so it is passed
+            on exactly as given.
+        replicas: on how many replicas it is loaded; None: on every one. Adapter ``i``
+            (in list order) with ``k`` replicas is loaded by the replicas of Serve rank
+            ``(i * k + j) mod world_size`` for ``j < k``, so adapters spread over the fleet.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1)
+    path: str = Field(min_length=1)
+    replicas: Optional[int] = Field(None, ge=1)
+
+    def loaded_on(self, index: int, rank: int, world_size: int) -> bool:
+        """Whether the replica of Serve rank ``rank`` (of ``world_size``) loads this
+        adapter, the ``index``-th of the settings' list."""
+        if self.replicas is None or self.replicas >= world_size:
+            return True
+        return (rank - index * self.replicas) % world_size < self.replicas
 
 
 class Settings(BaseSettings):
@@ -76,6 +104,15 @@ class Settings(BaseSettings):
     max_num_seqs: Optional[int] = Field(None, description="vLLM --max-num-seqs.")
     extra_engine_args: list[str] = Field(default_factory=list,
                                          description="Further vLLM command-line arguments.")
+    lora_adapters: list[LoraAdapter] = Field(
+        default_factory=list,
+        description="LoRA adapters (a list of {name, path, replicas}: replicas None loads it "
+                    "on every replica). The engines that load any start with --enable-lora "
+                    "and --lora-modules; a request whose model names one is hashed with "
+                    "the adapter as vLLM hashes it and routed among the replicas that "
+                    "load it.")
+    max_lora_rank: int = Field(16, ge=1, description="vLLM --max-lora-rank: the largest rank "
+                                                     "of the adapters.")
     engine_start_timeout_s: float = Field(600.0, description="Wait for an engine's /health.")
     engine_restarts: int = Field(2, description="Restarts of a dead engine before the replica "
                                                 "reports itself unhealthy to Ray Serve.")
@@ -189,6 +226,12 @@ class Settings(BaseSettings):
                                "before its 429 (s).")
     retry_after_s: int = Field(
         1, ge=1, description="Retry-After of the admission 429 (s).")
+    overloaded_queue_timeout_s: float = Field(
+        0.005, gt=0, description="Longest wait (s) of a request that joins an admission queue "
+                                 "that has not been empty for queue_timeout_s (a standing "
+                                 "queue: sustained overload, not a burst), so that its 429 "
+                                 "comes at once. The controlled-delay rule of B. Maurer, "
+                                 "'Fail at Scale', ACM Queue 2015 (5 ms there).")
     sse_keepalive_s: Optional[float] = Field(
         15.0, gt=0, description="A streaming request that has no answer to send yet after "
                                 "this long (waiting in the admission queue, or for its "
@@ -285,6 +328,15 @@ class Settings(BaseSettings):
                 setattr(self, name, str(Path(value).resolve()))
         if self.served_model_name is None:
             self.served_model_name = Path(self.model).name
+        names = [a.name for a in self.lora_adapters]
+        if len(set(names)) != len(names) or self.served_model_name in names:
+            raise ValueError("lora_adapters need names of their own, unlike each other and "
+                             f"the served model's {self.served_model_name!r}: {names}")
+        if self.lora_adapters and self.engine != "vllm":
+            raise ValueError("lora_adapters are served by engine 'vllm' only")
+        for a in self.lora_adapters:  # as the engines get it: absolute when it exists here
+            if not Path(a.path).is_absolute() and Path(a.path).exists():
+                a.path = str(Path(a.path).resolve())
         if self.tokenizer is None:
             self.tokenizer = self.model
         return self
@@ -293,6 +345,16 @@ class Settings(BaseSettings):
     def hash_settings(self) -> HashSettings:
         return HashSettings(block_size=self.block_size, hash_algo=self.hash_algo,
                             seed=self.hash_seed)
+
+    def adapter(self, model: Any) -> LoraAdapter | None:
+        """The LoRA adapter a request's ``model`` names, or None (the base model)."""
+        return next((a for a in self.lora_adapters if a.name == model), None) \
+            if isinstance(model, str) else None
+
+    def adapters_for(self, rank: int, world_size: int) -> list[LoraAdapter]:
+        """The adapters the replica of Serve rank ``rank`` (of ``world_size``) loads."""
+        return [a for i, a in enumerate(self.lora_adapters)
+                if a.loaded_on(i, rank, max(world_size, 1))]
 
     def policy_for(self, requested: str | None) -> str:
         """The policy a request runs: its own (``x-routing-policy``) when

@@ -174,3 +174,30 @@ async def test_sustained_overload_is_refused_on_arrival_not_after_the_timeout():
     for t in waiting:
         t.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
+
+
+async def test_a_standing_queue_refuses_newcomers_after_the_short_timeout():
+    """A queue that has not been empty for queue_timeout_s is sustained overload: who joins
+    it gets its 429 after overloaded_timeout_s, not after queue_timeout_s (the
+    controlled-delay rule); once the queue has drained, a burst may wait the long timeout
+    again."""
+    load = MemoryLoadTracker()
+    await _full(load)
+    adm = Admission(load, 2, timeout_s=0.3, overloaded_timeout_s=0.02)
+    t_start = time.monotonic()
+    w0 = asyncio.create_task(adm.admit("w0", lambda: REPLICAS))  # waits 0 .. 0.3 s
+    await asyncio.sleep(0.2)
+    w1 = asyncio.create_task(adm.admit("w1", lambda: REPLICAS))  # a burst: 0.2 .. 0.5 s
+    await asyncio.sleep(0.15)  # 0.35 s: the queue has not been empty since 0
+    t0 = time.monotonic()
+    with pytest.raises(OpenAIError) as err:
+        await adm.admit("late", lambda: REPLICAS)
+    assert time.monotonic() - t0 < 0.1 and err.value.status == 429
+    for task in (w0, w1):
+        with pytest.raises(OpenAIError):
+            await task
+    assert time.monotonic() - t_start >= 0.45 and adm.waiting == 0
+    t0 = time.monotonic()
+    with pytest.raises(OpenAIError):  # drained: a new burst waits the long timeout
+        await adm.admit("again", lambda: REPLICAS)
+    assert time.monotonic() - t0 >= 0.25

@@ -127,7 +127,7 @@ class RoutingCore:
                      replicas: Sequence[ReplicaInfo], cacheable: bool = True,
                      policy: Policy | None = None,
                      text: str = "", first_user_text: str = "",
-                     session: str | None = None) -> Decision:
+                     session: str | None = None, adapter: str | None = None) -> Decision:
         """Choose a replica among ``replicas`` (non-empty) and reserve its load.
 
         Replicas known dead are left out, and so are those that hash blocks differently
@@ -141,10 +141,15 @@ class RoutingCore:
         overloaded (``reason`` ``session``); otherwise it is decided as any other and its
         session is pinned to the choice (first turn) or moved there (the pin yielded).
 
+        A request for a LoRA adapter (``adapter``) is decided among the replicas that load
+        it (``ReplicaMetadata.lora_adapters``), all of them when none does (the engine then
+        gives its own 404).
+
         Args:
             policy: overrides the core's policy for this decision.
             text / first_user_text: the prompt's characters, for the anchors' policies.
             session: the request's session key, or None.
+            adapter: the LoRA adapter's name, or None (the base model).
         Returns:
             The policy's ``Decision``; ``reason`` is ``fallback`` when the index failed,
             ``session`` when the session's pin decided.
@@ -152,6 +157,9 @@ class RoutingCore:
         inp = RouteInput(request_id, prompt_tokens, block_hashes, cacheable, text,
                          first_user_text, session)
         policy = policy or self.policy
+        if adapter is not None:
+            replicas = [r for r in replicas if adapter in r.metadata.lora_adapters] \
+                or list(replicas)
         usable = [r for r in replicas if self.usable(r)] or list(replicas)
         compatible = [r for r in usable if self.compatible(r)]
         pool = compatible or usable
@@ -429,7 +437,7 @@ async def route_request(core: RoutingCore, req, replicas: Sequence[ReplicaInfo],
     try:
         decision = await core.decide(req.request_id, req.prompt_tokens, req.block_hashes,
                                      pool, cacheable=bool(req.block_hashes), policy=policy,
-                                     session=req.session_key)
+                                     session=req.session_key, adapter=req.lora_name)
     except BaseException:  # cancelled mid-decision: a reservation may exist; drop it
         asyncio.get_running_loop().create_task(core.load.release(req.request_id))
         raise

@@ -47,6 +47,7 @@ class ReplicaMetadata:
             the router's: the replica is refused) or ``no_events``.
         hash_settings: the engine's block hashing (``HashSettings.as_dict``: ``hash_algo``,
             ``block_size``, ``seed``, ``extra_key_encoding``); empty before it reports.
+        lora_adapters: the names of the LoRA adapters its engine loads.
     """
 
     replica_id: str = ""
@@ -60,6 +61,7 @@ class ReplicaMetadata:
     device: str = ""
     hash_probe: str = ""
     hash_settings: dict[str, Any] = field(default_factory=dict)
+    lora_adapters: list[str] = field(default_factory=list)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> "ReplicaMetadata":

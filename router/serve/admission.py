@@ -10,7 +10,15 @@ by arrival, for at most ``Settings.queue_timeout_s``. Past that it is refused wi
 in time is refused at once: the queue drains at a measured rate (the slots handed out in
 the last seconds), so a request with ``k`` requests ahead of it would wait about
 ``k / rate``; past ``queue_timeout_s`` it gets its 429 on arrival, not after waiting for it.
-Bursts within the fleet's capacity wait; sustained overload is refused fast. Only the head
+Bursts within the fleet's capacity wait; sustained overload is refused fast. And a queue
+that has not been empty for ``queue_timeout_s`` is a standing queue, not a burst: a request
+that joins it may wait only ``overloaded_timeout_s`` (5 ms by default) before its 429. This is
+the controlled-delay rule of Facebook's servers (B. Maurer, "Fail at Scale", ACM Queue
+13(8), 2015: "if the queue has not been empty for the last N ms, then the amount of time
+spent in the queue is limited to M ms", with N = 100 ms and M = 5 ms there), itself after
+CoDel (Nichols and Jacobson, RFC 8289). Under sustained overload the refusals thus come in
+a few milliseconds, where a request the drain-rate estimate let in would otherwise wait the
+whole ``queue_timeout_s`` before its 429. Only the head
 of the queue looks at the load. It looks again every ``poll_s`` and at once when this process releases a request,
 so the queue drains as fast as the fleet frees slots.
 
@@ -61,13 +69,18 @@ class Admission:
         timeout_s: longest wait in the queue (s) before the 429.
         retry_after_s: the ``Retry-After`` of the 429 (s).
         poll_s: how often the head of the queue reads the load while it waits (s).
+        overloaded_timeout_s: longest wait (s) of a request that joins a queue that has
+            not been empty for ``timeout_s`` (the module's controlled-delay rule).
     """
 
     def __init__(self, load: LoadTracker, bound: int | None, timeout_s: float = 2.0,
-                 retry_after_s: int = 1, poll_s: float = 0.01):
+                 retry_after_s: int = 1, poll_s: float = 0.01,
+                 overloaded_timeout_s: float = 0.005):
         self.load = load
         self.bound = bound
         self.timeout_s = timeout_s
+        self.overloaded_timeout_s = min(overloaded_timeout_s, timeout_s)
+        self._last_empty = time.monotonic()  # when the queue was last seen empty
         self.retry_after_s = retry_after_s
         self.poll_s = poll_s
         self._queue: list[tuple] = []  # (priority, seq, turn, request id), a heap
@@ -138,10 +151,14 @@ class Admission:
         t0 = time.monotonic()
         if self.bound is None:
             return 0.0
+        if not self._queue:
+            self._last_empty = time.monotonic()
         if not self._queue and await self._room(replicas()) > 0 and not self._queue:
             self._take(request_id)
             self._grants.append(time.monotonic())
             return 0.0
+        standing = not self._queue_empty_within(self.timeout_s)
+        timeout = self.overloaded_timeout_s if standing else self.timeout_s
         rate = self.drain_rate()
         ahead = sum(1 for e in self._queue if e[0] <= priority and not e[2].done())
         if rate is not None and (ahead + 1) / rate > self.timeout_s:
@@ -155,13 +172,14 @@ class Admission:
         if self._head_task is None or self._head_task.done():
             self._head_task = loop.create_task(self._serve_queue(replicas))
         try:
-            await asyncio.wait_for(asyncio.shield(turn), self.timeout_s)
+            await asyncio.wait_for(asyncio.shield(turn), timeout)
         except TimeoutError:
             if turn.done() and not turn.cancelled():  # admitted at the last moment
                 return time.monotonic() - t0
             self._drop(entry)
-            metrics.inc("admission_refused", tags={"reason": "overloaded"})
-            raise overloaded(self.timeout_s, self.retry_after_s) from None
+            metrics.inc("admission_refused",
+                        tags={"reason": "standing_queue" if standing else "overloaded"})
+            raise overloaded(timeout, self.retry_after_s) from None
         except asyncio.CancelledError:  # the client left while waiting
             self.reserved(request_id)  # a slot it was just given goes back
             self._drop(entry)
@@ -170,12 +188,20 @@ class Admission:
         metrics.get("admission_wait").observe(waited)
         return waited
 
+    def _queue_empty_within(self, window_s: float) -> bool:
+        """Whether the queue was empty at some moment of the last ``window_s`` (s)."""
+        if not any(not e[2].done() for e in self._queue):
+            self._last_empty = time.monotonic()
+        return time.monotonic() - self._last_empty <= window_s
+
     def _drop(self, entry) -> None:
         try:
             self._queue.remove(entry)
             heapq.heapify(self._queue)
         except ValueError:
             pass
+        if not self._queue:
+            self._last_empty = time.monotonic()
         if not entry[2].done():
             entry[2].cancel()
         metrics.get("admission_waiting").set(len(self._queue))
@@ -187,6 +213,8 @@ class Admission:
             head = self._queue[0]
             if head[2].done():  # timed out or left
                 heapq.heappop(self._queue)
+                if not self._queue:
+                    self._last_empty = time.monotonic()
                 continue
             try:
                 room = await self._room(replicas())
@@ -197,6 +225,8 @@ class Admission:
                     self._take(head[3])
                     head[2].set_result(True)
                     self._grants.append(time.monotonic())
+                    if not self._queue:
+                        self._last_empty = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - the load tracker falls back itself
                 logger.warning("admission could not read the load: %s", exc)
                 room = 0

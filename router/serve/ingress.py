@@ -76,14 +76,16 @@ class IngressCore:
     def __init__(self, settings: Settings, engine_handle):
         self.settings = settings
         self.engine = engine_handle
-        self.renderer = PromptRenderer(settings.tokenizer or settings.model)
+        self.renderer = PromptRenderer(settings.tokenizer or settings.model,
+                                       frozenset(a.name for a in settings.lora_adapters))
         self.hasher = BlockHasher(settings.hash_settings)
         self.load = state.make_load_tracker(settings)
         self.health = state.replica_health()
         self.inflight: dict[str, int] = {}  # this process's own dispatches, per replica
         self.policies = PolicySet(settings)
         self.admission = Admission(self.load, settings.max_inflight_per_replica,
-                                   settings.queue_timeout_s, settings.retry_after_s)
+                                   settings.queue_timeout_s, settings.retry_after_s,
+                                   overloaded_timeout_s=settings.overloaded_queue_timeout_s)
         state.put("admission", self.admission)  # route_request ends holds from any path
         self.rate_limits = RateLimiter(
             state.redis_connections(settings) if settings.redis_url else None,
@@ -180,14 +182,17 @@ class IngressCore:
                             max_output_tokens=max_output_tokens(body),
                             session_key=session_key(tenant.name if tenant else None, session)
                             if session else None)
+        adapter = self.settings.adapter(body.get("model"))
+        req.lora_name = adapter.name if adapter else None
         self._hash(req, info)
         return req, info
 
     def _hash(self, req: RoutedRequest, info: PromptInfo) -> None:
         req.prompt_tokens = info.num_tokens
+        adapter = self.settings.adapter(req.lora_name)
         req.block_hashes = self.hasher.block_hashes(
-            info.token_ids, cache_salt=info.cache_salt,
-            lora_name=info.lora_name) if info.cacheable else []
+            info.token_ids, cache_salt=info.cache_salt, lora_name=req.lora_name,
+            lora_path=adapter.path if adapter else None) if info.cacheable else []
 
     def _finish(self, req: RoutedRequest, info: PromptInfo) -> None:
         """Encode the rest of a prompt whose head a replica holds, and hash it all. Text the

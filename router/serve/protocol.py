@@ -44,6 +44,7 @@ class RoutedRequest:
         max_output_tokens: the most the request may generate (``max_completion_tokens``
             or ``max_tokens``, times ``n``; 0 when it names none), for tenants' token limits.
         session_key: its session's key (``router.routing.sessions.session_key``), or None.
+        lora_name: the LoRA adapter its ``model`` names (``Settings.lora_adapters``), or None.
     """
 
     request_id: str
@@ -61,6 +62,7 @@ class RoutedRequest:
     t_arrival: float = 0.0
     max_output_tokens: int = 0
     session_key: str | None = None
+    lora_name: str | None = None
     routing_s: float | None = None
 
 

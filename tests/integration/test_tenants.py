@@ -16,6 +16,7 @@ from tests.conftest import REDIS_URL, make_text, run_app
 pytestmark = pytest.mark.integration
 
 MARKER = "zebracornia"  # a word of the prompt to look for in Redis afterwards
+ADAPTER = "tiny-qwen2-tenant-a"  # a LoRA adapter the fixture generates
 
 
 @pytest.fixture(scope="module")
@@ -28,18 +29,22 @@ def fleet(serve_http_port, model_dir, tmp_path_factory):
         {"sha256": hash_key(keys["ops"]), "tenant": "ops", "admin": True},
         {"sha256": hash_key(keys["small"]), "tenant": "small", "requests_per_minute": 2,
          "tokens_per_minute": 4000}]}))
+    from deploy.make_model import make_lora
+    adapter = make_lora(tmp_path_factory.mktemp("lora") / ADAPTER, model_dir)
     svc = run_app(serve_http_port, "tenants", "/tenants", api_key=keys["ops"],
                   model=str(model_dir), num_replicas=2, redis_url=REDIS_URL,
                   api_keys_file=str(path), max_model_len=4096, replica_num_cpus=0.5,
-                  engine_priority_scheduling=True)
+                  engine_priority_scheduling=True,
+                  # a tenant's fine-tune, loaded on one replica of the two
+                  lora_adapters=[{"name": ADAPTER, "path": str(adapter), "replicas": 1}])
     yield svc, keys
     from ray import serve
     serve.delete("tenants")
 
 
-def _chat(svc, key, messages):
+def _chat(svc, key, messages, model="tiny-qwen2"):
     r = svc.client.post("/v1/chat/completions", headers={"authorization": f"Bearer {key}"},
-                        json={"model": "tiny-qwen2", "messages": messages, "max_tokens": 4,
+                        json={"model": model, "messages": messages, "max_tokens": 4,
                               "temperature": 0})
     assert r.status_code == 200, r.text
     return (r.headers["x-routed-replica"], r.headers["x-routing-reason"],
@@ -136,3 +141,35 @@ def test_a_tenants_rate_limits_refuse_it_alone_with_retry_after(fleet):
     other = svc.client.post("/v1/chat/completions", json=body,
                             headers={"authorization": f"Bearer {keys['a']}"})
     assert other.status_code == 200
+
+
+def test_an_adapter_request_goes_where_its_adapter_is_and_hits_its_own_blocks(fleet):
+    """A LoRA adapter loaded on one replica of two: its requests go there, the second
+    identical one is predicted and served from the cache (the router hashes with the
+    adapter as vLLM does: ``("lora", name, path)`` in every block), and the base model's
+    identical prompt shares no block with it, in the router's prediction and in the
+    engine's cache."""
+    svc, keys = fleet
+    replicas = svc.client.get("/replicas").json()["replicas"]
+    holders = [r for r in replicas if ADAPTER in r["metadata"]["lora_adapters"]]
+    assert len(holders) == 1, replicas
+    holder = holders[0]["replica_id"]
+    models = [m["id"] for m in svc.client.get("/v1/models").json()["data"]]
+    assert ADAPTER in models and "tiny-qwen2" in models
+    messages = [{"role": "user", "content": "adapter prompt " + " ".join(
+        f"step {i} of the tuned answer" for i in range(60))}]
+    first = _chat(svc, keys["a"], messages, ADAPTER)
+    second = _chat(svc, keys["a"], messages, ADAPTER)
+    assert first[0] == second[0] == holder, (first, second)
+    assert second[2] > 0 and second[3] > 0, second  # predicted, and hit
+    assert second[3] >= second[2] - 32  # the prediction is the engine's hit, to a block
+    base = _chat(svc, keys["a"], messages)
+    assert base[2] == 0, base  # no block of the adapter's matches the base prompt
+    # the engine itself keeps them apart: straight to the holder, no salt
+    url = holders[0]["metadata"]["engine_url"]
+    body = {"messages": messages, "max_tokens": 1, "temperature": 0}
+    for model in (ADAPTER, ADAPTER, "tiny-qwen2"):
+        r = httpx.post(url + "/v1/chat/completions", json=dict(body, model=model), timeout=60)
+        assert r.status_code == 200, r.text
+    details = r.json()["usage"].get("prompt_tokens_details") or {}
+    assert not details.get("cached_tokens"), r.json()["usage"]
