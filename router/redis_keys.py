@@ -7,6 +7,11 @@ Key layout (``<ns>`` is ``Settings.index_namespace``; only hashes and counters, 
 * ``<ns>:p:<replica>``: hash ``block hash -> expiry (ms)`` of predicted entries; the hash
   expires with its latest entry and expired fields are swept a few at a time on each write
   (Redis 7.0 has no per-field TTL; ``lua/record_predicted.lua``);
+* ``<ns>:gone:<replica>``: tombstone of a replica that left (the routers or the replica
+  itself purged it), expiring after ``GONE_TTL_S``: while it lives, ``lua/apply_events.lua``
+  refuses the replica's writes, so a feed that still runs during its replica's shutdown, or
+  that takes the purge for a lost index and rebuilds, cannot bring its entries back (Serve
+  never reuses a replica id);
 * ``<ns>:replicas``: set of the replicas with entries (for ``stats``);
 * ``<ns>:load``: hash with ``<replica>:n`` (requests in flight), ``<replica>:p`` (queued
   prefill tokens), ``<replica>:t`` (time of its last assignment, ms) (``LoadField``);
@@ -27,6 +32,8 @@ from __future__ import annotations
 from enum import Enum
 from pathlib import Path
 from typing import Any
+
+from router.index.base import GONE_TTL_S  # noqa: F401 - the tombstone's TTL, named here too
 
 _LUA_DIR = Path(__file__).with_name("lua")
 
@@ -57,6 +64,10 @@ class RedisKeys:
         """The replica's exact then predicted hash: the pair ``lua/route.lua`` reads per
         candidate."""
         return [self.exact(replica), self.predicted(replica)]
+
+    def gone(self, replica: str) -> str:
+        """The tombstone of a replica that left (``GONE_TTL_S``)."""
+        return f"{self.namespace}:gone:{replica}"
 
     def heartbeat(self, router_id: str) -> str:
         """A router's heartbeat key."""

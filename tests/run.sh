@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/setup.sh
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
-exec .venv/bin/python -m pytest -ra "$@"
+exec .venv/bin/python -m pytest -ra --durations=25 "$@"

@@ -155,6 +155,17 @@ async def test_remove_replica_purges_exact_and_predicted_entries(index):
     assert stats.entries == 3
 
 
+async def test_a_removed_replicas_late_events_are_refused(index):
+    """A replica that left stays purged: its feed, still running during its shutdown (or
+    rebuilding what looks like a lost index), cannot bring its entries back."""
+    await index.apply_events("A", [stored(1, 2, parent=None)])
+    await index.remove_replica("A")
+    await index.apply_events("A", [stored(1, 2, parent=None), stored(3, parent=2)])
+    await index.apply_events("B", [stored(1, parent=None)])
+    assert await index.lookup([1, 2, 3], ["A", "B"]) == {"A": 0, "B": 1}
+    assert await index.exact_entry_count("A") == 0
+
+
 async def test_forget_predicted_drops_only_that_replicas_predictions(index):
     """A request the engine refused: its predicted blocks go, exact entries and other
     replicas' predictions of the same blocks stay."""

@@ -118,7 +118,7 @@ async def test_engine_restart_clears_the_replicas_entries(tmp_path):
     for i in range(3):
         await pub.publish([KVEvent("stored", [10 + i], 9 + i if i else None)], 32)
     await until(lambda: _matched(index, [10, 11, 12], 3))
-    pub.pub.close()
+    pub.close()
     pub2 = EventPublisher(ep, None, "r1")  # the restarted engine counts from 0 again
     await asyncio.sleep(0.3)
     await pub2.publish([KVEvent("stored", [50], None)], 32)
@@ -142,8 +142,7 @@ async def test_a_restarted_engines_first_batches_are_applied_after_a_replay(tmp_
     feed.start()
     await until(lambda: _matched(index, [10, 11, 12], 3))
     task.cancel()
-    pub.pub.close()
-    pub.replay.close()
+    pub.close()
     pub2 = EventPublisher(ep, rp, "r1")  # the restarted engine counts from 0 again
     task2 = asyncio.create_task(pub2.serve_replay())
     await asyncio.sleep(0.3)
@@ -173,8 +172,7 @@ async def test_a_restarted_engines_first_batch_published_before_the_reconnect_is
         await pub.publish([KVEvent("stored", [10 + i], 9 + i if i else None)], 32)
     await until(lambda: _matched(index, [10, 11, 12], 3))
     task.cancel()
-    pub.pub.close()
-    pub.replay.close()
+    pub.close()
     pub2 = EventPublisher(ep, rp, "r1")
     await pub2.publish([KVEvent("stored", [50], None)], 32)  # nobody is connected yet
     task2 = asyncio.create_task(pub2.serve_replay())

@@ -95,7 +95,9 @@ class EventPublisher:
         self.topic = topic.encode()
         self.seq = 0
         self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self.ctx = zmq.asyncio.Context()
+        # the process's shared context, never terminated: a context of its own, collected
+        # while its sockets were still open, blocked the collecting thread in term()
+        self.ctx = zmq.asyncio.Context.instance()
         self.pub = None
         self.replay = None
         self._enc = msgspec.msgpack.Encoder()
@@ -128,6 +130,12 @@ class EventPublisher:
         self.seq += 1
         self.buffer.append((seq, payload))
         await self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload])
+
+    def close(self) -> None:
+        """Close the publisher and replay sockets (their endpoints are free again)."""
+        for sock in (self.pub, self.replay):
+            if sock is not None:
+                sock.close(linger=0)
 
     async def serve_replay(self) -> None:
         if self.replay is None:

@@ -36,6 +36,12 @@ from router.hashing import BlockHash
 from router.kv_events.wire import KVEvent
 
 
+# A replica that left is purged for good: its writes are refused this long (s) after
+# ``remove_replica`` (its feed may still write during its shutdown; Serve never reuses a
+# replica id).
+GONE_TTL_S = 86400
+
+
 class IndexUnavailable(RuntimeError):
     """The index backend did not answer within its timeout, or is down.
 
@@ -93,7 +99,8 @@ class PrefixIndex(ABC):
 
     @abstractmethod
     async def remove_replica(self, replica: str) -> None:
-        """Forget every entry (exact and predicted) of ``replica``."""
+        """Forget every entry (exact and predicted) of ``replica``, which has left: its
+        KV events are refused from now on, for ``GONE_TTL_S``."""
 
     @abstractmethod
     async def exact_entry_count(self, replica: str) -> int:

@@ -14,7 +14,7 @@ from typing import Sequence
 
 from router.clock import Clock, SystemClock
 from router.hashing import BlockHash
-from router.index.base import IndexStats, PrefixIndex
+from router.index.base import GONE_TTL_S, IndexStats, PrefixIndex
 from router.kv_events.wire import EventKind, KVEvent
 
 
@@ -38,6 +38,7 @@ class MemoryPrefixIndex(PrefixIndex):
         self._exact_by_replica: dict[str, set[int]] = {}
         self._expiry_heap: list[tuple[float, int, str]] = []
         self._n_predicted = 0
+        self._gone: dict[str, float] = {}  # removed replica -> until when its writes are refused
 
     # --- queries ---------------------------------------------------------------------
     async def lookup(self, block_hashes: Sequence[BlockHash],
@@ -134,6 +135,8 @@ class MemoryPrefixIndex(PrefixIndex):
     def apply_events_now(self, replica: str, events: Sequence[KVEvent]) -> None:
         """Synchronous ``apply_events``."""
         with self._lock:
+            if self._gone.get(replica, 0.0) > self.clock.now():
+                return  # purged as gone (GONE_TTL_S)
             held = self._exact_by_replica.setdefault(replica, set())
             for ev in events:
                 if ev.kind is EventKind.CLEARED:  # predicted entries predate the clear too
@@ -194,3 +197,7 @@ class MemoryPrefixIndex(PrefixIndex):
         with self._lock:
             self._clear_exact_locked(replica)
             self._clear_predicted_locked(replica)
+            now = self.clock.now()
+            for r in [r for r, until in self._gone.items() if until <= now]:
+                del self._gone[r]
+            self._gone[replica] = now + GONE_TTL_S

@@ -25,7 +25,10 @@ from router.config import redact_url
 from router.hashing import BlockHash
 from router.index.base import IndexStats, IndexUnavailable, PrefixIndex
 from router.kv_events.wire import EventKind, KVEvent
-from router.redis_keys import EventOp, RedisKeys, ScriptCache, pack_hashes
+from router.logs import get_logger
+from router.redis_keys import GONE_TTL_S, EventOp, RedisKeys, ScriptCache, pack_hashes
+
+logger = get_logger(__name__)
 
 
 class RedisConnections:
@@ -99,6 +102,7 @@ class RedisPrefixIndex(PrefixIndex):
         self.clock = clock or SystemClock()
         self.conn = connections or RedisConnections(url, timeout_s)
         self.scripts = ScriptCache()
+        self._refused_warned: dict[str, bool] = {}
 
     def _now_ms(self) -> int:
         return int(self.clock.now() * 1000)
@@ -157,16 +161,24 @@ class RedisPrefixIndex(PrefixIndex):
         if ops:
             await self._run_events(replica, ops)
 
-    async def _run_events(self, replica: str, ops: list[Any]) -> None:
-        keys = self.keys.replica_entries(replica) + [self.keys.replicas]
+    async def _run_events(self, replica: str, ops: list[Any], maintenance: bool = False) -> None:
+        keys = self.keys.replica_entries(replica) + [self.keys.replicas,
+                                                     self.keys.gone(replica)]
 
         async def run(client):
             return await self.scripts.of(client).apply_events(keys=keys, args=[replica, *ops])
 
-        await self.conn.call(run)
+        if not int(await self.conn.call(run, maintenance=maintenance)) and not \
+                self._refused_warned.get(replica):
+            self._refused_warned[replica] = True
+            logger.warning("the index refuses the KV events of replica %s: it was purged as "
+                           "gone (its tombstone lives %d s)", replica, GONE_TTL_S)
 
     async def remove_replica(self, replica: str) -> None:
-        await self._run_events(replica, [EventOp.PURGE.value])
+        """Purge the replica's entries and leave its tombstone (``router.redis_keys``): its
+        later writes are refused. Bounded by the maintenance timeout: a purge must not be
+        lost because a loaded machine answered late."""
+        await self._run_events(replica, [EventOp.PURGE.value, GONE_TTL_S], maintenance=True)
 
     async def exact_entry_count(self, replica: str) -> int:
         async def run(client):

@@ -1,6 +1,6 @@
 -- Apply one replica's KV events to its exact entries, in order; also purges a replica.
 -- KEYS[1]: the replica's exact hash (block -> physical copies the engine holds)
--- KEYS[2]: the replica's predicted hash; KEYS[3]: replicas set
+-- KEYS[2]: the replica's predicted hash; KEYS[3]: replicas set; KEYS[4]: its tombstone
 -- ARGV[1]: replica id; ARGV[2..]: ops, each one of
 --   "s" <n> <hash x n>   BlockStored with a parent: one more physical copy of each hash
 --   "S" <n> <hash x n>   BlockStored from block 0: one more copy of each hash not yet held
@@ -8,10 +8,14 @@
 --   "r" <n> <hash x n>   BlockRemoved: one copy fewer; the entry goes at zero
 --   "c"                  AllBlocksCleared: drop all entries of the replica (its predicted
 --                        ones predate the clear too)
---   "x"                  replica gone: drop its exact and predicted entries
+--   "x" <ttl s>          replica gone: drop its exact and predicted entries and leave a
+--                        tombstone for <ttl s>: later ops of the replica are refused (its
+--                        feed may still write during its shutdown, or rebuild what the
+--                        routers purged); returns 0 when refused
 -- Counting copies keeps an entry while the engine holds a second physical block with the
 -- same hash (vLLM does not de-duplicate blocks).
 local xkey, pkey = KEYS[1], KEYS[2]
+if ARGV[2] ~= 'x' and redis.call('EXISTS', KEYS[4]) == 1 then return 0 end
 local purged = false
 local i = 2
 while i <= #ARGV do
@@ -19,8 +23,9 @@ while i <= #ARGV do
   if op == 'c' then
     redis.call('DEL', xkey, pkey); i = i + 1
   elseif op == 'x' then
-    redis.call('DEL', xkey, pkey); redis.call('SREM', KEYS[3], ARGV[1])
-    purged = true; i = i + 1
+    redis.call('DEL', xkey, pkey, pkey .. ':cursor'); redis.call('SREM', KEYS[3], ARGV[1])
+    redis.call('SET', KEYS[4], 1, 'EX', tonumber(ARGV[i + 1]))
+    purged = true; i = i + 2
   else
     local n = tonumber(ARGV[i + 1])
     for k = i + 2, i + 1 + n do

@@ -37,7 +37,6 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
-import math
 import threading
 import time
 from collections import deque
@@ -254,7 +253,7 @@ def parse_priority(value: str | None, default: int = 0) -> int:
         p = int(value.strip())
     except ValueError:
         p = None
-    if p is None or not math.isfinite(p) or abs(p) >= 2 ** 31:
+    if p is None or abs(p) >= 2 ** 31:
         raise OpenAIError(400, f"priority must be an integer (lower is served first), not "
                                f"{value[:40]!r}", "BadRequestError", "x-priority")
     return p
