@@ -363,8 +363,10 @@ class Settings(BaseSettings):
 
     def policy_kwargs(self, policy: str) -> dict[str, Any]:
         """Keyword arguments of ``router.policy.make_policy`` for ``policy`` from these
-        settings (only ``prefix_aware`` takes any: its ``load_factor`` and ``tie_abs_s``)."""
-        return {"load_factor": self.load_factor, "tie_abs_s": self.tie_tolerance_s} \
+        settings (only ``prefix_aware`` takes any: its ``load_factor``, ``tie_abs_s`` and
+        ``max_inflight``, the admission bound)."""
+        return {"load_factor": self.load_factor, "tie_abs_s": self.tie_tolerance_s,
+                "max_inflight": self.max_inflight_per_replica} \
             if policy == "prefix_aware" else {}
 
     @classmethod

@@ -19,6 +19,8 @@ Key layout (``<ns>`` is ``Settings.index_namespace``; only hashes and counters, 
   id"`` (``lua/lease.lua``);
 * ``<ns>:router:<id>``: a router's heartbeat, expiring after its TTL; the leases of a router
   whose heartbeat is gone are released by any router's sweep;
+* ``<ns>:session:<digest>``: a session's replica, expiring after ``Settings.session_ttl_s``
+  (``router.routing.sessions``);
 * ``<ns>:rate:<tenant digest>:<kind>:<window>``: a tenant's requests or tokens in one
   minute window (``lua/rate_limit.lua``; the tenant's name is not stored, only the first 16
   hex digits of its SHA-256).
@@ -51,6 +53,7 @@ class RedisKeys:
         self.leases = f"{namespace}:leases"
         self.replicas = f"{namespace}:replicas"
         self.router_prefix = f"{namespace}:router:"
+        self.session_prefix = f"{namespace}:session:"  # + session digest: its replica
 
     def exact(self, replica: str) -> str:
         """The replica's exact entries (block hash -> copies)."""

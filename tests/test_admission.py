@@ -118,6 +118,32 @@ async def test_concurrent_looks_do_not_take_one_slot_twice():
     assert all(isinstance(r, OpenAIError) and r.status == 429 for r in results if r != 0.0)
 
 
+async def test_a_request_that_reserves_during_a_look_still_counts_in_it():
+    """Two looks overlap: the later one (``first``'s) is answered sooner, ``first`` is
+    admitted, reserves and stops being pending, all while the earlier look's answer, read
+    before that reservation, travels. That look must count ``first`` anyway (its read
+    missed it and it is pending no more), or the one slot goes twice. CI saw 5 requests
+    admitted on a bound of 4 this way."""
+    delays = iter([0.1, 0.01])
+
+    class SnapshotThenSlow(MemoryLoadTracker):
+        async def loads(self, replicas):
+            snapshot = await super().loads(replicas)  # read now, answered after a delay
+            await asyncio.sleep(next(delays, 0.0))
+            return snapshot
+
+    load = SnapshotThenSlow()
+    adm = Admission(load, 1, timeout_s=0.3)
+    second = asyncio.create_task(adm.admit("second", lambda: ["a"]))  # its read: 0.1 s
+    await asyncio.sleep(0.001)
+    assert await adm.admit("first", lambda: ["a"]) == 0.0  # its read: 0.01 s
+    await load.reserve("first", "a", 1)
+    adm.reserved("first")
+    with pytest.raises(OpenAIError):
+        await second  # the one slot is first's: second never gets it
+    assert (await load.loads(["a"]))["a"].inflight == 1
+
+
 async def test_a_client_that_leaves_while_waiting_leaves_no_trace():
     load = MemoryLoadTracker()
     await _full(load)

@@ -214,3 +214,17 @@ def test_a_negative_shared_count_does_not_draw_every_request():
              Candidate("b", load=ReplicaLoad(inflight=0, last_assigned_s=1.0))]
     req = RouteRequest(prompt_tokens=300, block_size=32, num_blocks=9)
     assert p.choose(req, cands).replica == "b"  # tie at zero: the oldest assignment
+
+
+def test_the_admission_bound_caps_the_load_bound():
+    """With max_inflight (the admission bound), a replica at it is passed over while another
+    has a free slot, even where its cache makes it the cheapest: admission counted that
+    free slot for this request."""
+    from router.policy.prefix_aware import PrefixAware as PA
+    warm = Candidate("warm", 10, ReplicaLoad(2, 0, 0.0), 20000.0, 0.005)
+    cold = Candidate("cold", 0, ReplicaLoad(1, 0, 0.0), 20000.0, 0.005)
+    req = RouteRequest(prompt_tokens=10 * 16, block_size=16, num_blocks=10)
+    assert PA().choose(req, [warm, cold]).replica == "warm"
+    assert PA(max_inflight=2).choose(req, [warm, cold]).replica == "cold"
+    full = Candidate("cold", 0, ReplicaLoad(2, 0, 0.0), 20000.0, 0.005)
+    assert PA(max_inflight=2).choose(req, [warm, full]).replica == "warm"  # none free: cost

@@ -53,7 +53,7 @@ def route_kwargs(policy: PrefixAware, u: float, rate=20000.0):
     return dict(block_size=BS, prefill_rate=rate, work_weight=policy.work_weight,
                 decode_step_s_per_seq=0.005, step_token_budget=policy.step_token_budget,
                 tie_abs_s=policy.tie_abs_s, tie_rel=policy.tie_rel, u=u,
-                load_factor=policy.load_factor)
+                load_factor=policy.load_factor, max_inflight=policy.max_inflight)
 
 
 async def test_lua_route_chooses_as_the_python_policy(redis_pair):
@@ -71,7 +71,9 @@ async def test_lua_route_chooses_as_the_python_policy(redis_pair):
                 await load.reserve(f"bg{trial}-{r}-{i}", r, rng.randrange(0, 3000))
         prompt = len(prefix) * BS + rng.randrange(0, 40)
         u = rng.random()
-        policy = PrefixAware(random.Random())
+        # every third trial with an admission bound (the load bound's cap)
+        policy = PrefixAware(random.Random(), max_inflight=rng.randrange(1, 4)
+                             if trial % 3 == 0 else None)
         loads = await load.loads(replicas)
         matched = await index.lookup(prefix, replicas)
         cands = [Candidate(r, matched[r], loads[r], 20000.0, 0.005) for r in replicas]
@@ -161,6 +163,34 @@ async def test_routing_core_uses_the_atomic_path_and_falls_back_when_redis_fails
     d3 = await down.decide("r3", 1400, list(range(40)), reps)
     assert d3.reason == "fallback" and not down.index_available
     await core.index.flush()
+
+
+async def test_a_burst_of_prompts_with_nothing_to_look_up_spreads_evenly():
+    """Prompts shorter than a block have no hash to look up, so they are decided by load
+    alone; decided at once by several routers, each decision must see the others'
+    reservations (the one script serialises them), or all pile onto the replica that
+    looked least loaded to each. Here 3 routers decide 8 at once over 2 replicas, with
+    the admission bound 4: 4 and 4. (CI saw 3 and 1 on a bound of 2 before.)"""
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    settings = Settings(redis_url=REDIS_URL, index_namespace=ns, max_inflight_per_replica=4)
+    reps = [ReplicaInfo("a", {}, {}), ReplicaInfo("b", {}, {})]
+    cores = []
+    for _ in range(3):
+        conn = RedisConnections(REDIS_URL, 2.0)
+        index, load = RedisPrefixIndex(REDIS_URL, ns, connections=conn), \
+            RedisLoadTracker(conn, ns)
+        cores.append(RoutingCore(settings, index, load, PrefixAware(
+            random.Random(), **settings.policy_kwargs("prefix_aware")),
+            atomic=AtomicRoute(index, load)))
+    decisions = await asyncio.gather(*(cores[i % 3].decide(f"s{i}", 12, [], reps)
+                                       for i in range(8)))
+    chosen = [d.replica for d in decisions]
+    assert sorted(chosen.count(r) for r in "ab") == [4, 4], chosen
+    for i, core in enumerate(cores):
+        for k in range(i, 8, 3):
+            await core.load.release(f"s{k}")
+        await core.load.close()
+    await cores[0].index.flush()
 
 
 async def _warm_then_overload(routers: int) -> tuple[float, int]:

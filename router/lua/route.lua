@@ -22,7 +22,8 @@
 --   11 decode_step_s_per_seq, 12 step_token_budget, 13 tie_abs_s, 14 tie_rel,
 --   15 load_factor (bounded load), 16 u (uniform random in [0,1)), 17 heartbeat TTL (ms),
 --   refreshed with the reservation so that no lease exists without a live heartbeat
---   (another router's sweep would otherwise release a new router's first leases), then per
+--   (another router's sweep would otherwise release a new router's first leases),
+--   18 max_inflight (the admission bound caps the bounded load; 0: none), then per
 --   candidate its predicted TTL (ms), then the n candidate ids
 -- Returns: {chosen index (1-based, 0 in lookup mode), matched blocks per candidate...}
 local mode = ARGV[1]
@@ -71,10 +72,11 @@ local ww = tonumber(ARGV[10]); local dstep = tonumber(ARGV[11]); local budget = 
 local tie_abs = tonumber(ARGV[13]); local tie_rel = tonumber(ARGV[14])
 local load_factor = tonumber(ARGV[15]); local u = tonumber(ARGV[16])
 local heartbeat_ttl = tonumber(ARGV[17])
+local max_inflight = tonumber(ARGV[18])
 local cands, ttls = {}, {}
 for j = 1, nc do
-  ttls[j] = tonumber(ARGV[17 + j])
-  cands[j] = ARGV[17 + nc + j]
+  ttls[j] = tonumber(ARGV[18 + j])
+  cands[j] = ARGV[18 + nc + j]
 end
 local replicas_set = KEYS[2 * nc + 1]; local load = KEYS[2 * nc + 2]
 local leases = KEYS[2 * nc + 3]; local heartbeat = KEYS[2 * nc + 4]
@@ -115,6 +117,7 @@ end
 -- bounded load: candidates that would exceed the bound are passed over while any is within
 local mean = (total + 1) / nc
 local lbound = math.max(load_factor * mean, mean + 2)
+if max_inflight > 0 then lbound = math.min(lbound, max_inflight) end
 local within = {}
 local any_within = false
 for j = 1, nc do

@@ -47,6 +47,9 @@ class PrefixAware(Policy):
     would still be the lowest (decode-heavy traffic barely slows a prefill, but every request
     on an overfull replica decodes slower).
 
+    With ``max_inflight`` (the admission bound) the bound is also at most that many
+    requests in flight.
+
     A miss is thus decided by load (docs/fault-cases.md 1.1); a warm replica keeps its traffic
     until its queue costs more than the prefill it saves or it exceeds the bound, judged per request
     (docs/fault-cases.md 1.6): there is no fleet-wide imbalance switch.
@@ -57,8 +60,10 @@ class PrefixAware(Policy):
 
     def __init__(self, rng: random.Random | None = None, tie_abs_s: float = 0.002,
                  tie_rel: float = 0.05, step_token_budget: int = 2048,
-                 work_weight: float = 1.0, load_factor: float = 1.35):
+                 work_weight: float = 1.0, load_factor: float = 1.35,
+                 max_inflight: int | None = None):
         super().__init__(rng)
+        self.max_inflight = max_inflight
         self.tie_abs_s = tie_abs_s
         self.tie_rel = tie_rel
         self.step_token_budget = step_token_budget
@@ -66,9 +71,13 @@ class PrefixAware(Policy):
         self.load_factor = load_factor
 
     def load_bound(self, candidates: Sequence[Candidate]) -> float:
-        """Largest in-flight count a candidate may have to take the request."""
+        """Largest in-flight count a candidate may have to take the request: the bounded
+        load, capped at ``max_inflight`` (the admission bound, ``max_inflight_per_replica``:
+        admission counts the fleet's free slots, so a request it admits must go to a
+        replica with a free slot while one exists)."""
         mean = (sum(max(c.load.inflight, 0) for c in candidates) + 1) / len(candidates)
-        return max(self.load_factor * mean, mean + 2)
+        bound = max(self.load_factor * mean, mean + 2)
+        return bound if self.max_inflight is None else min(bound, self.max_inflight)
 
     def expected_ttft_s(self, request: RouteRequest, c: Candidate) -> float:
         """Expected time to first token on candidate ``c`` (s)."""

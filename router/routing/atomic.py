@@ -40,7 +40,8 @@ class AtomicRoute:
                     replicas: Sequence[str], ttls_s: Sequence[float], *, block_size: int,
                     prefill_rate: float, work_weight: float, decode_step_s_per_seq: float,
                     step_token_budget: int, tie_abs_s: float, tie_rel: float, u: float,
-                    load_factor: float = 1.35) -> tuple[str, dict[str, int]]:
+                    load_factor: float = 1.35,
+                    max_inflight: int | None = None) -> tuple[str, dict[str, int]]:
         """Choose among ``replicas`` (non-empty) and reserve the choice's load.
 
         Args:
@@ -48,8 +49,8 @@ class AtomicRoute:
             ttls_s: per replica, the TTL of the predicted entries written for it (s).
             block_size: tokens per block.
             prefill_rate: tokens/s; work_weight, decode_step_s_per_seq (s),
-                step_token_budget (tokens), tie_abs_s (s), tie_rel, load_factor: the
-                ``PrefixAware`` parameters of the same names.
+                step_token_budget (tokens), tie_abs_s (s), tie_rel, load_factor,
+                max_inflight: the ``PrefixAware`` parameters of the same names.
             u: uniform in [0, 1), the final tie-break (the policy's rng draws it).
         Returns:
             (chosen replica, matched blocks per replica).
@@ -64,7 +65,7 @@ class AtomicRoute:
                 request_id, load.lease_owner(request_id), prompt_tokens, block_size, prefill_rate,
                 work_weight, decode_step_s_per_seq, step_token_budget, tie_abs_s, tie_rel,
                 min(load_factor, 1e9), u, int(load.heartbeat_ttl_s * 1000),
-                *(int(t * 1000) for t in ttls_s), *replicas]
+                int(max_inflight or 0), *(int(t * 1000) for t in ttls_s), *replicas]
 
         async def run(client):
             return await load.scripts.of(client).route(keys=redis_keys, args=args)

@@ -13,6 +13,7 @@ and otherwise decides by load; the fallback is counted, and the next lookups try
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -172,10 +173,15 @@ class RoutingCore:
             pinned, outcome = await self._session_pin(session, pool)
             if outcome == "kept":
                 decision = await self._decide_pinned(inp, pool, pinned, cache_aware)
-        if decision is None and cache_aware and self.atomic is not None \
-                and self.atomic.supports(policy):
+        # the one-script decision also for a prompt with nothing to look up (shorter than a
+        # block, or not cacheable): decided by load alone, but serialised with every other
+        # router's decisions, so a burst of them does not pile onto the replica that looked
+        # least loaded to all at once
+        if decision is None and self.atomic is not None and self.atomic.supports(policy):
             try:
-                decision = await self._decide_atomic(inp, pool, policy)
+                decision = await self._decide_atomic(
+                    inp if cache_aware else dataclasses.replace(inp, block_hashes=[]),
+                    pool, policy)
             except IndexUnavailable as exc:
                 self._index_error(exc, "route")
                 index_failed = True
@@ -334,7 +340,8 @@ class RoutingCore:
             prefill_rate=self.fleet_prefill_rate(pool), work_weight=policy.work_weight,
             decode_step_s_per_seq=self.settings.decode_step_s,
             step_token_budget=policy.step_token_budget, tie_abs_s=policy.tie_abs_s,
-            tie_rel=policy.tie_rel, u=policy.rng.random(), load_factor=policy.load_factor)
+            tie_rel=policy.tie_rel, u=policy.rng.random(), load_factor=policy.load_factor,
+            max_inflight=policy.max_inflight)
         self.index_available = True
         predicted = {r: cached_tokens(m, inp.prompt_tokens, bs) for r, m in matched.items()}
         rest = sorted((r for r in ids if r != chosen), key=lambda r: -predicted[r])

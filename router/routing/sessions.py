@@ -96,8 +96,10 @@ class RedisSessionStore:
     """
 
     def __init__(self, connections, namespace: str):
+        from router.redis_keys import RedisKeys
+
         self.conn = connections
-        self.prefix = f"{namespace}:session:"
+        self.prefix = RedisKeys(namespace).session_prefix
 
     async def get(self, key: str) -> str | None:
         v = await self.conn.call(lambda c: c.get(self.prefix + key))

@@ -26,9 +26,9 @@ The bound is soft across router processes. Two ingresses may each admit into the
 slot at the same moment, so the fleet can exceed it by at most one request per ingress
 process. Within a process, requests admitted but not yet reserved count as taken
 (``reserved`` ends that, called by ``route_request`` once the decision holds its
-reservation), so concurrent looks do not hand out one slot twice; a request that was
-pending when a look began counts as taken in that look even if it reserved meanwhile (the
-load read may predate its reservation). While a bound is set,
+reservation), so concurrent looks do not hand out one slot twice; a request that reserved
+after a look's load read began counts as taken in that look too (the read may predate its
+reservation, and the request is no longer pending when the look counts). While a bound is set,
 each admission costs one load read (one Redis round trip with the Redis tracker).
 """
 
@@ -84,7 +84,11 @@ class Admission:
         self.poll_s = poll_s
         self._queue: list[tuple] = []  # (priority, seq, turn, request id), a heap
         self._seq = itertools.count()
-        self._pending: set[str] = set()  # admitted here, not reserved yet
+        # admitted here: request id -> when it reserved (None: not yet). A request that
+        # reserved after a load read began may be missing from that read, so it is kept
+        # (and counted) until every read in flight began after its reservation.
+        self._pending: dict[str, float | None] = {}
+        self._reads: list[float] = []  # start times of the load reads in flight
         self._pending_lock = threading.Lock()  # reserved() comes from the Ray router's loop too
         self._wake: asyncio.Event | None = None
         self._head_task: asyncio.Task | None = None
@@ -117,23 +121,38 @@ class Admission:
         failed before it could: its admission slot is no longer held here. Idempotent, and
         safe from any thread."""
         with self._pending_lock:
-            self._pending.discard(request_id)
+            if request_id in self._pending:
+                self._pending[request_id] = time.monotonic()
+                self._prune_locked()
 
     def _take(self, request_id: str) -> None:
         with self._pending_lock:
-            self._pending.add(request_id)
+            self._pending[request_id] = None
+
+    def _prune_locked(self) -> None:
+        """Forget the requests that reserved before every load read in flight began:
+        those reads, and every later one, count them."""
+        oldest = min(self._reads, default=time.monotonic())
+        for rid in [r for r, t in self._pending.items() if t is not None and t < oldest]:
+            del self._pending[rid]
 
     async def _room(self, replicas: Sequence[str]) -> int:
         if not replicas:  # the replica set is not known yet: nothing to count slots on
             return 1
-        # A request reserved while the loads are read may be missing from both the read
-        # and the pending set after it: those pending before the read count too.
         with self._pending_lock:
-            before = set(self._pending)
-        loads = await self.load.loads(list(replicas))
+            t0 = time.monotonic()
+            self._reads.append(t0)
+        try:
+            loads = await self.load.loads(list(replicas))
+        finally:
+            with self._pending_lock:
+                self._reads.remove(t0)
         free = sum(max(self.bound - loads[r].inflight, 0) for r in replicas)
         with self._pending_lock:
-            return free - len(before | self._pending)
+            # not reserved yet, or reserved after this read began (the read may miss it)
+            held = sum(1 for t in self._pending.values() if t is None or t >= t0)
+            self._prune_locked()
+            return free - held
 
     async def admit(self, request_id: str, replicas: Callable[[], Sequence[str]],
                     priority: int = 0) -> float:

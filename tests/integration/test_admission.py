@@ -27,6 +27,9 @@ def bounded(serve_http_port, model_dir):
                   max_inflight_per_replica=2, queue_timeout_s=0.3, sse_keepalive_s=0.1,
                   retry_after_s=2, engine_priority_scheduling=True,
                   extra_engine_args=["--step-model", "0.04,0.00002,0.0002,0"])
+    # both replicas up before the first burst: with one, every request goes to it
+    wait_until(lambda: svc.client.get("/health").json().get("replicas") == 2, 300, 1.0,
+               "both engine replicas")
     yield svc
     from ray import serve
     serve.delete("bounded")
@@ -47,6 +50,8 @@ def test_a_stream_that_waits_in_the_queue_gets_keep_alives_then_its_refusal_as_a
                 body, messages=[{"role": "user", "content": f"{i} hold a slot"}])))
                 for i in range(4)]
             await asyncio.sleep(1.0)  # the 4 slots are taken (their answers take 4 s)
+            import redis  # the shared load, for the message should the stream not wait
+            load = redis.Redis.from_url(REDIS_URL).hgetall(f"{bounded.namespace}:load")
             t0 = time.monotonic()
             async with client.stream("POST", "/v1/chat/completions", json=dict(
                     body, stream=True, messages=[{"role": "user", "content": "wait"}])) as r:
@@ -54,11 +59,11 @@ def test_a_stream_that_waits_in_the_queue_gets_keep_alives_then_its_refusal_as_a
                 text = "".join([c async for c in r.aiter_text()])
             elapsed = time.monotonic() - t0
             held = await asyncio.gather(*holders)
-            return status, text, elapsed, [h.status_code for h in held]
+            return status, text, elapsed, [h.status_code for h in held], load
 
-    status, text, elapsed, held = asyncio.run(scenario())
+    status, text, elapsed, held, load = asyncio.run(scenario())
     assert held == [200] * 4
-    assert status == 200 and text.startswith(": keep-alive\n\n"), text
+    assert status == 200 and text.startswith(": keep-alive\n\n"), (load, text[:300])
     events = [e for e in text.split("\n\n") if e.startswith("data: ")]
     assert events[-1] == "data: [DONE]" and len(events) == 2, text
     import json
