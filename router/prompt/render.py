@@ -47,14 +47,12 @@ class PromptInfo:
         cacheable: whether block hashes of ``token_ids`` predict the engine's cache.
         reason: why not cacheable ("" when cacheable).
         cache_salt: the request's ``cache_salt`` (mixed into block 0 by vLLM).
-        lora_name: LoRA adapter name if ``model`` names one (mixed into every block).
     """
 
     token_ids: list[int] = field(default_factory=list)
     cacheable: bool = True
     reason: str = ""
     cache_salt: str | None = None
-    lora_name: str | None = None
     rest: "PromptRest | None" = None
 
     @property
@@ -135,11 +133,10 @@ class PromptRenderer:
             must not run without it, docs/fault-cases.md 8.2).
     """
 
-    def __init__(self, tokenizer_path: str, lora_names: frozenset[str] = frozenset()):
+    def __init__(self, tokenizer_path: str):
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        self.lora_names = lora_names
         self._vllm_request = _vllm_chat_request_model()
         self._lock = threading.Lock()  # HF fast tokenizers are not re-entrant across threads
         self.segments = SegmentEncoder(self.tokenizer)
@@ -183,8 +180,6 @@ class PromptRenderer:
         if info.cacheable:
             salt = body.get("cache_salt")
             info.cache_salt = salt if isinstance(salt, str) and salt else None
-            model = body.get("model")
-            info.lora_name = model if model in self.lora_names else None
         return info
 
     def _render_chat(self, body: dict[str, Any], head_chars: int = 0) -> PromptInfo:

@@ -82,9 +82,8 @@ class UsageScanner:
 def sse_error(message: str) -> bytes:
     """An SSE error event (OpenAI's shape, code 502) and ``[DONE]``: how a stream that broke
     after its first byte ends."""
-    body = {"error": {"message": message, "type": "InternalServerError", "param": None,
-                      "code": 502}}
-    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
+    return sse_error_event({"error": {"message": message, "type": "InternalServerError",
+                                      "param": None, "code": 502}})
 
 
 class Attempt:

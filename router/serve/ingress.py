@@ -76,8 +76,7 @@ class IngressCore:
     def __init__(self, settings: Settings, engine_handle):
         self.settings = settings
         self.engine = engine_handle
-        self.renderer = PromptRenderer(settings.tokenizer or settings.model,
-                                       frozenset(a.name for a in settings.lora_adapters))
+        self.renderer = PromptRenderer(settings.tokenizer or settings.model)
         self.hasher = BlockHasher(settings.hash_settings)
         self.load = state.make_load_tracker(settings)
         self.health = state.replica_health()
