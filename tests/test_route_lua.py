@@ -106,6 +106,32 @@ async def test_route_reserves_once_and_writes_predicted_entries(redis_pair):
     assert all(v.inflight == 0 and v.prefill_tokens == 0 for v in loads.values())
 
 
+async def test_predicted_entries_are_written_past_the_exact_run_and_expired_ones_swept(
+        redis_pair):
+    """The route writes predicted entries only for blocks the chosen replica does not hold
+    exactly, and sweeps expired ones while it writes: a replica taking new prompts all the
+    time keeps a bounded predicted hash (it only expires whole, and kept every field)."""
+    index, load, clock = redis_pair
+    p = PrefixAware()
+    top = [(1 << 64) - 1 - k for k in range(4)]  # the high bit set: 8 bytes, not a sign
+    await index.apply_events("a", [KVEvent("stored", top[:2], None)])
+    atomic = AtomicRoute(index, load)
+    chosen, matched = await atomic.route("q", 200, top, ["a"], [15.0], **route_kwargs(p, 0.0))
+    assert chosen == "a" and matched == {"a": 2}
+    client = index.conn.client()
+    fields = list(await client.hgetall(index.keys.predicted("a")))
+    assert sorted(fields) == sorted(h.to_bytes(8, "big") for h in top[2:])
+    assert (await index.lookup(top, ["a"]))["a"] == 4
+    await load.release("q")
+    for k in range(60):  # new prompts, each entry living 1 s, 1 s apart
+        hashes = [random.getrandbits(64) for _ in range(8)]
+        await atomic.route(f"n{k}", 8 * BS, hashes, ["a"], [1.0], **route_kwargs(p, 0.0))
+        await load.release(f"n{k}")
+        clock.advance(1.0)
+    live_bound = 2 * 2 * 8 + 16  # a sweep covers twice what is written, plus 16
+    assert await client.hlen(index.keys.predicted("a")) <= live_bound + 8
+
+
 async def test_leases_of_a_dead_router_are_swept(redis_pair):
     index, load, clock = redis_pair
     other = RedisLoadTracker(load.conn, load.ns, clock=clock)  # a second router process

@@ -26,7 +26,8 @@ from router.hashing import BlockHash
 from router.index.base import IndexStats, IndexUnavailable, PrefixIndex
 from router.kv_events.wire import EventKind, KVEvent
 from router.logs import get_logger
-from router.redis_keys import GONE_TTL_S, EventOp, RedisKeys, ScriptCache, pack_hashes
+from router.redis_keys import (GONE_TTL_S, EventOp, RedisKeys, ScriptCache, block_fields,
+                               pack_hashes)
 
 logger = get_logger(__name__)
 
@@ -128,7 +129,7 @@ class RedisPrefixIndex(PrefixIndex):
             return
         now = self._now_ms()
         keys = [self.keys.predicted(replica), self.keys.replicas]
-        args = [replica, now + int(ttl_s * 1000), now, *block_hashes]
+        args = [replica, now + int(ttl_s * 1000), now, pack_hashes(block_hashes)]
 
         async def run(client):
             return await self.scripts.of(client).record_predicted(keys=keys, args=args)
@@ -139,11 +140,12 @@ class RedisPrefixIndex(PrefixIndex):
         if not block_hashes:
             return
         key = self.keys.predicted(replica)
+        fields = block_fields(block_hashes)
 
         async def run(client):
             pipe = client.pipeline(transaction=False)
-            for i in range(0, len(block_hashes), 1024):
-                pipe.hdel(key, *block_hashes[i:i + 1024])
+            for i in range(0, len(fields), 1024):
+                pipe.hdel(key, *fields[i:i + 1024])
             await pipe.execute()
 
         await self.conn.call(run)
@@ -157,7 +159,7 @@ class RedisPrefixIndex(PrefixIndex):
                 op = EventOp.REMOVED if ev.kind is EventKind.REMOVED else (
                     EventOp.STORED_FROM_ROOT if ev.parent_block_hash is None
                     else EventOp.STORED)
-                ops += [op.value, len(ev.block_hashes), *ev.block_hashes]
+                ops += [op.value, pack_hashes(ev.block_hashes)]
         if ops:
             await self._run_events(replica, ops)
 

@@ -1,11 +1,12 @@
 -- Apply one replica's KV events to its exact entries, in order; also purges a replica.
 -- KEYS[1]: the replica's exact hash (block -> physical copies the engine holds)
 -- KEYS[2]: the replica's predicted hash; KEYS[3]: replicas set; KEYS[4]: its tombstone
--- ARGV[1]: replica id; ARGV[2..]: ops, each one of
---   "s" <n> <hash x n>   BlockStored with a parent: one more physical copy of each hash
---   "S" <n> <hash x n>   BlockStored from block 0: one more copy of each hash not yet held
+-- ARGV[1]: replica id; ARGV[2..]: ops, each one of (<hashes>: the event's block hashes as
+-- one argument, 8 bytes each, big-endian: router/redis_keys.py pack_hashes)
+--   "s" <hashes>         BlockStored with a parent: one more physical copy of each hash
+--   "S" <hashes>         BlockStored from block 0: one more copy of each hash not yet held
 --                        (a run from block 0 over held blocks is a re-announcement)
---   "r" <n> <hash x n>   BlockRemoved: one copy fewer; the entry goes at zero
+--   "r" <hashes>         BlockRemoved: one copy fewer; the entry goes at zero
 --   "c"                  AllBlocksCleared: drop all entries of the replica (its predicted
 --                        ones predate the clear too)
 --   "x" <ttl s>          replica gone: drop its exact and predicted entries and leave a
@@ -27,9 +28,9 @@ while i <= #ARGV do
     redis.call('SET', KEYS[4], 1, 'EX', tonumber(ARGV[i + 1]))
     purged = true; i = i + 2
   else
-    local n = tonumber(ARGV[i + 1])
-    for k = i + 2, i + 1 + n do
-      local h = ARGV[k]
+    local packed = ARGV[i + 1]
+    for k = 1, #packed, 8 do
+      local h = string.sub(packed, k, k + 7)
       if op == 's' then
         redis.call('HINCRBY', xkey, h, 1)
       elseif op == 'S' then
@@ -41,7 +42,7 @@ while i <= #ARGV do
         end
       end
     end
-    i = i + 2 + n
+    i = i + 2
   end
 end
 if not purged then redis.call('SADD', KEYS[3], ARGV[1]) end

@@ -1,12 +1,14 @@
 -- Predicted entries for one replica, and amortised removal of its expired ones.
 -- KEYS[1]: the replica's predicted hash (block -> expiry ms); KEYS[2]: replicas set
--- ARGV[1]: replica id; ARGV[2]: expiry (ms); ARGV[3]: now (ms); ARGV[4..]: block hashes
+-- ARGV[1]: replica id; ARGV[2]: expiry (ms); ARGV[3]: now (ms); ARGV[4]: the block hashes,
+-- 8 bytes each, big-endian (router/redis_keys.py pack_hashes)
 -- An entry's expiry only moves later. The hash itself expires with its latest entry; while
 -- it lives, each call also scans a few fields and deletes expired ones, so its size stays
 -- bounded by the TTL times the rate of new blocks.
 local key, expiry, now = KEYS[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local hs = {}
-for i = 4, #ARGV do hs[#hs + 1] = ARGV[i] end
+local packed = ARGV[4]
+for i = 1, #packed, 8 do hs[#hs + 1] = string.sub(packed, i, i + 7) end
 if #hs > 0 then
   local old = redis.call('HMGET', key, unpack(hs))
   local args = {}

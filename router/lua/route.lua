@@ -5,9 +5,9 @@
 -- formula; tests/test_route_lua.py checks that both choose alike).
 --
 -- Per replica r: <ns>:x:<r> hash block -> copies (exact, from KV events) and <ns>:p:<r>
--- hash block -> expiry ms (predicted). A candidate's match is read with HMGETs of 16, then
--- 64 hashes at a time that stop at its first missing block, so the cost grows with the
--- candidates' matched lengths, not with the prompt length times the replica count; the
+-- hash block -> expiry ms (predicted). A candidate's match is read with HMGETs of 1, 16,
+-- then 64 hashes at a time that stop at its first missing block, so the cost grows with
+-- the candidates' matched lengths, not with the prompt length times the replica count; the
 -- predicted hash is read only past the end of the exact run.
 --
 -- KEYS (the key names are router/redis_keys.py's):
@@ -16,7 +16,7 @@
 --   :p queued prefill tokens, :t last assignment ms), [2n+3] lease hash (request id ->
 --   "replica|prefill|done|router|attempt"), [2n+4] this router's heartbeat key
 -- ARGV: 1 mode ("lookup" | "route"), 2 now_ms, 3 n, 4 the request's block hashes in prompt
---   order as one space-separated string; route mode only: 5 request_id, 6 lease owner
+--   order as one string of 8 bytes each (big-endian); route mode only: 5 request_id, 6 lease owner
 --   ("router_id|attempt", the lease's tail: a release names the attempt it ends),
 --   7 prompt_tokens, 8 block_size, 9 prefill_rate (tokens/s), 10 work_weight,
 --   11 decode_step_s_per_seq, 12 step_token_budget, 13 tie_abs_s, 14 tie_rel,
@@ -29,36 +29,47 @@
 local mode = ARGV[1]
 local now = tonumber(ARGV[2])
 local nc = tonumber(ARGV[3])
--- the block hashes come as one argument, decimal and space-separated: one string to encode
--- and parse instead of one argument per block (the client's packing dominated long prompts)
-local H = {}
-for h in string.gmatch(ARGV[4] or '', '%d+') do H[#H + 1] = h end
-local nblocks = #H
+-- the block hashes come as one argument of 8 bytes per block (router/redis_keys.py
+-- pack_hashes); a block's hash is cut out only when a read or a write needs it, so a
+-- candidate that misses at once costs what it reads, not the prompt's length
+local S = ARGV[4] or ''
+local nblocks = math.floor(#S / 8)
+local H, parsed = {}, 0
+local function upto(k)
+  for i = parsed + 1, k do H[i] = string.sub(S, 8 * i - 7, 8 * i) end
+  if k > parsed then parsed = k end
+end
 
--- 1. matched prefix per candidate: leading blocks held (exact or unexpired predicted)
+-- 1. matched prefix per candidate: leading blocks held (exact or unexpired predicted), and
+--    leading blocks held exactly (the predicted entries written in 5 start past those). The
+--    first read is the first block alone (most candidates do not hold a prompt's first
+--    block, and the chained hashes mean they then hold none of it), then 16, then 64 at a
+--    time.
 local function held_prefix(xkey, pkey)
-  local i, chunk = 0, 16
+  local i, chunk, exact = 0, 1, nil
   while i < nblocks do
     local last = math.min(i + chunk, nblocks)
+    upto(last)
     local ex = redis.call('HMGET', xkey, unpack(H, i + 1, last))
     local n = last - i
     local k = 1
     while k <= n and ex[k] do k = k + 1 end  -- exact entries exist only with copies >= 1
     if k <= n then
+      exact = exact or (i + k - 1)
       -- the exact run ends inside this chunk: the rest may still be held as predicted
       local pr = redis.call('HMGET', pkey, unpack(H, i + k, last))
       for m = k, n do
         local e = pr[m - k + 1]
-        if not (ex[m] or (e and tonumber(e) > now)) then return i + m - 1 end
+        if not (ex[m] or (e and tonumber(e) > now)) then return i + m - 1, exact end
       end
     end
     i = last
-    chunk = 64
+    if chunk == 1 then chunk = 16 else chunk = 64 end
   end
-  return nblocks
+  return nblocks, exact or nblocks
 end
-local matched = {}
-for j = 1, nc do matched[j] = held_prefix(KEYS[2 * j - 1], KEYS[2 * j]) end
+local matched, exact_run = {}, {}
+for j = 1, nc do matched[j], exact_run[j] = held_prefix(KEYS[2 * j - 1], KEYS[2 * j]) end
 if mode == 'lookup' then
   local out = {0}
   for j = 1, nc do out[#out + 1] = matched[j] end
@@ -99,11 +110,15 @@ end
 local cost, cached, last, inflight = {}, {}, {}, {}
 local best = nil
 local total = 0
+local fields = {}
 for j = 1, nc do
   local r = cands[j]
-  local v = redis.call('HMGET', load, r .. ':n', r .. ':p', r .. ':t')
-  local n = tonumber(v[1] or '0'); local q = tonumber(v[2] or '0')
-  last[j] = tonumber(v[3] or '0')
+  fields[3 * j - 2] = r .. ':n'; fields[3 * j - 1] = r .. ':p'; fields[3 * j] = r .. ':t'
+end
+local v = redis.call('HMGET', load, unpack(fields))  -- every candidate's load in one read
+for j = 1, nc do
+  local n = tonumber(v[3 * j - 2] or '0'); local q = tonumber(v[3 * j - 1] or '0')
+  last[j] = tonumber(v[3 * j] or '0')
   inflight[j] = math.max(n, 0)  -- as the Python policy: a count below zero counts as zero
   total = total + math.max(n, 0)
   local hit = 0
@@ -162,25 +177,41 @@ local chosen = cands[pick]
 
 -- 4. reserve
 local unc = math.max(P - cached[pick], 0)
-add(chosen .. ':n', 1)
-add(chosen .. ':p', unc)
-redis.call('HSET', load, chosen .. ':t', now)
+-- one write of the three load fields: the counts were read above, after any release of an
+-- earlier reservation of this request, and nothing runs between (a script is atomic)
+redis.call('HSET', load, chosen .. ':n', tonumber(v[3 * pick - 2] or '0') + 1,
+           chosen .. ':p', tonumber(v[3 * pick - 1] or '0') + unc, chosen .. ':t', now)
 redis.call('HSET', leases, req, chosen .. '|' .. unc .. '|0|' .. owner)
 redis.call('SET', heartbeat, 1, 'PX', heartbeat_ttl)
 
--- 5. predicted entries for the chosen replica (as record_predicted.lua)
-if nblocks > 0 then
+-- 5. predicted entries for the chosen replica (as record_predicted.lua), for the blocks past
+--    its exact run only: the engine already holds the run, and its KV events keep those
+--    entries true (a block it evicts then leaves the index, not a prediction behind it).
+--    Each write also sweeps a few fields of the hash, twice as many as it writes, so
+--    expired entries go while the hash keeps being refreshed (without the sweep a replica
+--    taking new prompts all the time kept every expired field: the hash only expires whole).
+local first = exact_run[pick] + 1
+if first <= nblocks then
+  upto(nblocks)
   local pkey = KEYS[2 * pick]
   local expiry = now + ttls[pick]
+  local e = string.format('%d', expiry)
   local args = {}
-  for i = 1, nblocks do
-    args[#args + 1] = H[i]; args[#args + 1] = expiry
+  for i = first, nblocks do
+    args[#args + 1] = H[i]; args[#args + 1] = e
     if #args >= 512 then redis.call('HSET', pkey, unpack(args)); args = {} end
   end
   if #args > 0 then redis.call('HSET', pkey, unpack(args)) end
   redis.call('PEXPIREAT', pkey, expiry, 'GT')
   if redis.call('PTTL', pkey) == -1 then redis.call('PEXPIREAT', pkey, expiry) end
   redis.call('SADD', replicas_set, chosen)
+  local ckey = pkey .. ':cursor'
+  local res = redis.call('HSCAN', pkey, redis.call('GET', ckey) or '0', 'COUNT',
+                         2 * (nblocks - first + 1) + 16)
+  for k = 1, #res[2], 2 do
+    if tonumber(res[2][k + 1]) <= now then redis.call('HDEL', pkey, res[2][k]) end
+  end
+  redis.call('SET', ckey, res[1], 'PX', 3600000)
 end
 
 local out = {pick}
