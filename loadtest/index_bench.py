@@ -222,6 +222,49 @@ async def bench_overhead(url: str, tokens: int, iters: int, unique: bool = False
             "total_p50_ms": pct(total_s, 0.5) * 1e3, "total_p99_ms": pct(total_s, 0.99) * 1e3}
 
 
+async def bench_shadow(url: str, tokens: int = 8192, n_replicas: int = 8,
+                       iters: int = 1000) -> dict:
+    """The cost of shadow evaluation (``router.routing.shadow``): ``RoutingCore.decide`` on
+    the Redis atomic path, ``tokens``-token follow-up turns over ``n_replicas`` replicas,
+    without shadow and with every decision sampled (the default shadow policies), in
+    alternating blocks of 50 on the same state; p50 of each (ms) and the added time per
+    sampled decision and per decision at the default sample rate."""
+    from router.config import Settings
+    from router.policy import PrefixAware
+    from router.routing.core import RoutingCore
+    from router.routing.replica import ReplicaInfo
+    from router.serve.state import make_shadow
+    ns = f"bench-{uuid.uuid4().hex[:6]}"
+    settings = Settings(redis_url=url, index_namespace=ns, shadow_sample_rate=1.0)
+    conn = RedisConnections(url, 5.0)
+    index, load = RedisPrefixIndex(url, ns, connections=conn), RedisLoadTracker(conn, ns)
+    reps = [ReplicaInfo(f"replica-{i:02d}", {}, {}) for i in range(n_replicas)]
+    plain = RoutingCore(settings, index, load, PrefixAware(random.Random(0)),
+                        atomic=AtomicRoute(index, load))
+    shadowed = RoutingCore(settings, index, load, PrefixAware(random.Random(0)),
+                           atomic=AtomicRoute(index, load), shadow=make_shadow(settings))
+    bs = settings.block_size
+    rng = random.Random(4)
+    convs = [[rng.getrandbits(63) for _ in range(tokens // bs)] for _ in range(16)]
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    for k in range(iters):
+        mode = "on" if (k // 50) % 2 else "off"
+        core = shadowed if mode == "on" else plain
+        hashes = convs[k % len(convs)]
+        t0 = time.perf_counter()
+        await core.decide(f"s{k}", len(hashes) * bs + 7, hashes, reps)
+        times[mode].append(time.perf_counter() - t0)
+        await load.release(f"s{k}")
+    await load.close()
+    await index.flush()
+    await conn.close()
+    off, on = statistics.median(times["off"]), statistics.median(times["on"])
+    return {"tokens": tokens, "replicas": n_replicas, "iters": iters,
+            "off_p50_ms": off * 1e3, "on_p50_ms": on * 1e3, "added_ms": (on - off) * 1e3,
+            "default_rate": Settings().shadow_sample_rate,
+            "added_ms_at_default": (on - off) * 1e3 * Settings().shadow_sample_rate}
+
+
 def text_of(tokens: int, seed: str, tokenizer) -> str:
     """Deterministic text of exactly ``tokens`` tokens of ``tokenizer`` (one encode)."""
     from tests.conftest import make_text
@@ -332,6 +375,15 @@ with the index answers in between (``IngressCore._cpu_turn``), so the first of a
 dispatched after a few renders, not after all of them."""
 
 
+SHADOW_NOTES = """Reading: ``RoutingCore.decide`` on the Redis atomic path (one script per
+decision), Redis on the same machine. A sampled decision adds one load read (a Redis round
+trip, before the script, so the shadow policies see the state without this request), a
+copy of the live policy and the shadow policies' choices (``round_robin``,
+``least_loaded`` and the live ``prefix_aware``'s copy). At the default sample rate the
+added time per decision is the last column; ``router_shadow_seconds_total`` counts the same
+time on a live router."""
+
+
 def overhead_text(overhead: list[dict], concurrent: list[dict]) -> str:
     """The Markdown of the overhead results (``bench_overhead`` rows, ``bench_concurrent``
     rows)."""
@@ -363,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=2000,
                     help="requests per case up to 8k tokens (a tenth of it above): p99 of "
                          "2,000 is the 20th worst, steadier than 300's third worst")
-    ap.add_argument("--only", choices=["lookup", "overhead"], default=None)
+    ap.add_argument("--only", choices=["lookup", "overhead", "shadow"], default=None)
     ap.add_argument("--processes", nargs="+", type=int, default=[1, 2],
                     help="ingress process counts for the 32-way concurrent run")
     ap.add_argument("--no-doc", action="store_true")
@@ -418,6 +470,23 @@ def main(argv: list[str] | None = None) -> int:
         if not a.no_doc:
             write_benchmark_doc("Redis index: lookup and ingestion" + a.suffix, cmd.strip(), text,
                                 NOTES)
+    if a.only in (None, "shadow"):
+        rows = [asyncio.run(bench_shadow(a.redis_url, t, n)) for t, n in
+                ((1024, 8), (8192, 8), (8192, 32))]
+        for r in rows:
+            print(json.dumps(r), flush=True)
+        table = ["| prompt tokens | replicas | decision p50 without (ms) | every decision "
+                 "sampled p50 (ms) | added per sampled decision (ms) | added per decision at "
+                 f"the default rate {rows[0]['default_rate']} (ms) |", "|---|---|---|---|---|---|"]
+        for r in rows:
+            table.append(f"| {r['tokens']} | {r['replicas']} | {r['off_p50_ms']:.3f} | "
+                         f"{r['on_p50_ms']:.3f} | {r['added_ms']:.3f} | "
+                         f"{r['added_ms_at_default']:.4f} |")
+        text = "\n".join(table)
+        print(text)
+        if not a.no_doc:
+            write_benchmark_doc("Shadow evaluation" + a.suffix, cmd.strip(), text,
+                                SHADOW_NOTES)
     if a.only in (None, "overhead"):
         overhead = [asyncio.run(bench_overhead(a.redis_url, t, n, unique))
                     for unique in (False, True)

@@ -193,6 +193,17 @@ class Settings(BaseSettings):
                                  "lowest are near-ties, which go to the replica with the most "
                                  "cached tokens, then the fewest requests in flight, then the "
                                  "oldest last assignment.")
+    shadow_policies: list[Literal["prefix_aware", "round_robin", "random", "least_loaded"]] = \
+        Field(["round_robin", "least_loaded"],
+              description="Policies evaluated beside the live one on sampled decisions, "
+                          "without acting on them (router_shadow_* metrics); the live "
+                          "policy is always evaluated too, as a copy.")
+    shadow_sample_rate: float = Field(
+        0.01, ge=0, le=1, description="Fraction of cache-aware decisions the shadow policies "
+                                      "evaluate (0: off). Each sampled one costs one more "
+                                      "load read (one Redis round trip with Redis) and the "
+                                      "shadow choices (docs/benchmarks.md, 'Shadow "
+                                      "evaluation').")
 
     # --- ingress ------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="HTTP bind address of Ray Serve's proxy.")

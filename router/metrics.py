@@ -74,6 +74,19 @@ def _make() -> dict[str, Any]:
             "router_keepalive_streams_total",
             "Streaming requests that had nothing to send within sse_keepalive_s and got SSE "
             "keep-alives while they waited (queue or engine).", tag_keys=("route",)),
+        "shadow_decisions": Counter(
+            "router_shadow_decisions_total",
+            "Sampled live decisions evaluated by each shadow policy, by whether it would "
+            "have chosen the live replica (router.routing.shadow).",
+            tag_keys=("policy", "agrees")),
+        "shadow_cached_tokens": Counter(
+            "router_shadow_cached_tokens_total",
+            "Over the sampled decisions, the cached tokens the replica each shadow policy "
+            "would have chosen holds for the request (index match at decision time); "
+            "policy=live: the live decisions' own predictions.", tag_keys=("policy",)),
+        "shadow_seconds": Counter(
+            "router_shadow_seconds_total",
+            "Router time spent on shadow evaluation (loads read, policy copy, choices)."),
         "retries": Counter("router_retries_total",
                            "Requests retried on another replica before the first byte.",
                            tag_keys=("reason",)),

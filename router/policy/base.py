@@ -65,12 +65,15 @@ class RouteRequest:
 @dataclass
 class Decision:
     """A policy's answer: replicas ranked best first (the first is the choice), the reason
-    (``cache``, ``load`` or ``fallback``), and the predicted cached tokens per replica."""
+    (``cache``, ``load`` or ``fallback``), and the predicted cached tokens per replica.
+    ``shadow``: for a decision the shadow evaluation sampled, each shadow policy's
+    ``router.routing.shadow.ShadowChoice`` by name; None otherwise."""
 
     ranked: list[str]
     reason: str
     predicted_cached_tokens: dict[str, int]
     expected_ttft_s: dict[str, float] = field(default_factory=dict)
+    shadow: dict | None = None
 
     @property
     def replica(self) -> str:

@@ -14,13 +14,14 @@ and otherwise decides by load; the fallback is counted, and the next lookups try
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
 from router.config import Settings
 from router.hashing import HashSettings
 from router.index.base import IndexUnavailable, PrefixIndex
-from router.load.base import LoadTracker
+from router.load.base import LoadTracker, ReplicaLoad
 from router.logs import get_logger
 from router.policy import (
     Candidate,
@@ -74,11 +75,12 @@ class RoutingCore:
         atomic: the one-round-trip decision (``router.routing.atomic.AtomicRoute``) over
             this index and load tracker, where both are in one Redis; None otherwise.
         sessions: the session pins (``router.routing.sessions``), or None (no affinity).
+        shadow: the shadow evaluation (``router.routing.shadow.ShadowEvaluator``), or None.
     """
 
     def __init__(self, settings: Settings, index: PrefixIndex, load: LoadTracker,
                  policy: Policy, on_index_error=None, health=None, atomic=None,
-                 sessions=None):
+                 sessions=None, shadow=None):
         self.settings = settings
         self.health = health
         self.hash_settings: HashSettings = settings.hash_settings
@@ -88,6 +90,7 @@ class RoutingCore:
         self.on_index_error = on_index_error
         self.atomic = atomic
         self.sessions = sessions
+        self.shadow = shadow
         self.index_available = True
         self.recent = RecentDecisions(load.clock)
         self._mismatch_logged: set[str] = set()
@@ -151,6 +154,10 @@ class RoutingCore:
             text / first_user_text: the prompt's characters, for the anchors' policies.
             session: the request's session key, or None.
             adapter: the LoRA adapter's name, or None (the base model).
+        A sampled cache-aware decision that its policy made (not a pin, not a fallback) is
+        also evaluated by the shadow policies (``router.routing.shadow``); its
+        ``Decision.shadow`` holds their choices.
+
         Returns:
             The policy's ``Decision``; ``reason`` is ``fallback`` when the index failed,
             ``session`` when the session's pin decided.
@@ -169,6 +176,12 @@ class RoutingCore:
         decision = None
         index_failed = False
         pinned, outcome = None, None
+        observed: list | None = None  # the sampled decision's (request, candidates)
+        live_copy, shadow_s = None, 0.0
+        if self.shadow is not None and cache_aware and self.shadow.sampled():
+            t0 = time.perf_counter()
+            observed, live_copy = [], self.shadow.snapshot(policy)
+            shadow_s = time.perf_counter() - t0
         if session and self.sessions is not None:
             pinned, outcome = await self._session_pin(session, pool)
             if outcome == "kept":
@@ -181,12 +194,19 @@ class RoutingCore:
             try:
                 decision = await self._decide_atomic(
                     inp if cache_aware else dataclasses.replace(inp, block_hashes=[]),
-                    pool, policy)
+                    pool, policy, observed)
             except IndexUnavailable as exc:
                 self._index_error(exc, "route")
                 index_failed = True
         if decision is None:
-            decision = await self._decide_here(inp, pool, policy, cache_aware, index_failed)
+            decision = await self._decide_here(inp, pool, policy, cache_aware, index_failed,
+                                               observed)
+        if observed and decision.reason in ("cache", "load"):
+            t0 = time.perf_counter()
+            req, candidates, read_s = observed[0]
+            decision.shadow = self.shadow.evaluate(req, candidates, decision, live_copy)
+            from router import metrics
+            metrics.inc("shadow_seconds", shadow_s + read_s + time.perf_counter() - t0)
         if session and self.sessions is not None and outcome != "kept":
             decision, outcome = await self._pin_session(inp, pool, session, decision, outcome,
                                                         cache_aware)
@@ -288,9 +308,11 @@ class RoutingCore:
         return decision, outcome
 
     async def _decide_here(self, inp: RouteInput, pool: Sequence[ReplicaInfo], policy: Policy,
-                           cache_aware: bool, index_failed: bool) -> Decision:
+                           cache_aware: bool, index_failed: bool,
+                           observed: list | None = None) -> Decision:
         """The policy chooses in this process: index lookup (or this router's recent
-        decisions when the index failed), loads, choice, reservation, predicted entries."""
+        decisions when the index failed), loads, choice, reservation, predicted entries.
+        ``observed`` (a list) receives the (request, candidates, 0.0) it decided on."""
         ids = [r.replica_id for r in pool]
         use_index = cache_aware and policy.uses_index
         matched: dict[str, int] = {}
@@ -304,18 +326,10 @@ class RoutingCore:
         if use_index and index_failed:
             matched = self.recent.lookup(inp.block_hashes, ids)
         loads = await self.load.loads(ids)
-        rate = self.fleet_prefill_rate(pool)
-        candidates = [
-            Candidate(replica=r.replica_id, matched_blocks=matched.get(r.replica_id, 0),
-                      load=loads[r.replica_id], prefill_tokens_per_s=rate,
-                      decode_step_s_per_seq=self.settings.decode_step_s,
-                      kv_usage_frac=r.stats.kv_usage_frac, waiting=r.stats.waiting,
-                      active_blocks=r.stats.active_blocks)
-            for r in pool]
-        req = RouteRequest(prompt_tokens=inp.prompt_tokens,
-                           block_size=self.hash_settings.block_size,
-                           num_blocks=len(inp.block_hashes), cacheable=inp.cacheable,
-                           text=inp.text, first_user_text=inp.first_user_text)
+        candidates = self._candidates(pool, matched, loads)
+        req = self._route_request(inp)
+        if observed is not None:
+            observed.append((req, candidates, 0.0))
         decision = policy.choose(req, candidates)
         policy.on_routed(req, decision.replica, self.load.clock.now())
         if index_failed:
@@ -328,12 +342,37 @@ class RoutingCore:
             await self.record(chosen, inp.block_hashes, self.predicted_ttl_s(chosen_info))
         return decision
 
+    def _candidates(self, pool: Sequence[ReplicaInfo], matched: dict[str, int],
+                    loads: dict[str, ReplicaLoad]) -> list[Candidate]:
+        """What the policy sees of each replica of ``pool``: its match (blocks), its load,
+        the fleet's prefill rate and the engine's reported state."""
+        rate = self.fleet_prefill_rate(pool)
+        return [Candidate(replica=r.replica_id, matched_blocks=matched.get(r.replica_id, 0),
+                          load=loads[r.replica_id], prefill_tokens_per_s=rate,
+                          decode_step_s_per_seq=self.settings.decode_step_s,
+                          kv_usage_frac=r.stats.kv_usage_frac, waiting=r.stats.waiting,
+                          active_blocks=r.stats.active_blocks)
+                for r in pool]
+
+    def _route_request(self, inp: RouteInput) -> RouteRequest:
+        return RouteRequest(prompt_tokens=inp.prompt_tokens,
+                            block_size=self.hash_settings.block_size,
+                            num_blocks=len(inp.block_hashes), cacheable=inp.cacheable,
+                            text=inp.text, first_user_text=inp.first_user_text)
+
     async def _decide_atomic(self, inp: RouteInput, pool: Sequence[ReplicaInfo],
-                             policy: PrefixAware) -> Decision:
+                             policy: PrefixAware, observed: list | None = None) -> Decision:
         """The prefix_aware decision as one Redis script: several routers are serialised,
-        so a burst does not pile onto one replica (``router.routing.atomic``)."""
+        so a burst does not pile onto one replica (``router.routing.atomic``). For a
+        sampled decision (``observed``, a list) the loads are read just before the script,
+        and (request, candidates, seconds of that read) go to ``observed``."""
         ids = [r.replica_id for r in pool]
         bs = self.hash_settings.block_size
+        before = None
+        if observed is not None:
+            t0 = time.perf_counter()
+            before = await self.load.loads(ids)
+            read_s = time.perf_counter() - t0
         chosen, matched = await self.atomic.route(
             inp.request_id, inp.prompt_tokens, inp.block_hashes, ids,
             [self.predicted_ttl_s(r) for r in pool], block_size=bs,
@@ -343,6 +382,9 @@ class RoutingCore:
             tie_rel=policy.tie_rel, u=policy.rng.random(), load_factor=policy.load_factor,
             max_inflight=policy.max_inflight)
         self.index_available = True
+        if before is not None:
+            observed.append((self._route_request(inp),
+                             self._candidates(pool, matched, before), read_s))
         predicted = {r: cached_tokens(m, inp.prompt_tokens, bs) for r, m in matched.items()}
         rest = sorted((r for r in ids if r != chosen), key=lambda r: -predicted[r])
         return Decision([chosen] + rest, "cache" if predicted[chosen] > 0 else "load",

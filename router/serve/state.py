@@ -106,7 +106,17 @@ def make_routing_core(settings: Settings, policy):
     index, load = make_index(settings), make_load_tracker(settings)
     return RoutingCore(settings, index, load, policy, on_index_error=index_error,
                        health=replica_health(), atomic=make_atomic_route(settings, index, load),
-                       sessions=make_session_store(settings))
+                       sessions=make_session_store(settings), shadow=make_shadow(settings))
+
+
+def make_shadow(settings: Settings):
+    """The shadow evaluation of ``settings`` (``router.routing.shadow``), or None when its
+    sample rate is 0."""
+    if settings.shadow_sample_rate <= 0:
+        return None
+    from router.routing.shadow import ShadowEvaluator
+    return ShadowEvaluator(settings.shadow_policies, settings.shadow_sample_rate,
+                           settings.policy_kwargs)
 
 
 def make_session_store(settings: Settings):

@@ -86,6 +86,39 @@ def test_metrics_endpoint_exports_router_counters(service, tokenizer):
     wait_until(exported, 60, 1.0, "router metrics in Ray's export")
 
 
+def test_shadow_evaluation_reports_each_decision_and_the_live_copy_agrees(service, tokenizer):
+    """With every decision sampled: each turn is evaluated by the live policy's copy and
+    by the shadow policies; the copy's figure is the live prediction the response reports
+    (x-predicted-cached-tokens), so the two counters move together, and the copy never
+    disagrees (one request at a time: nothing changes the state between read and choice)."""
+    def shadow():
+        text = service.client.get("/metrics").text
+        return {
+            "n": metric_sum(text, "router_shadow_decisions_total", policy="prefix_aware"),
+            "disagree": metric_sum(text, "router_shadow_decisions_total",
+                                   policy="prefix_aware", agrees="false"),
+            "rr": metric_sum(text, "router_shadow_decisions_total", policy="round_robin"),
+            "copy": metric_sum(text, "router_shadow_cached_tokens_total", policy="prefix_aware"),
+            "live": metric_sum(text, "router_shadow_cached_tokens_total", policy="live"),
+            "rr_tokens": metric_sum(text, "router_shadow_cached_tokens_total",
+                                    policy="round_robin")}
+
+    def settled(before, turns):
+        now = shadow()
+        return now if now["n"] - before["n"] >= turns and now["rr"] - before["rr"] >= turns \
+            and now["copy"] - before["copy"] == now["live"] - before["live"] else None
+
+    time.sleep(6)  # Ray exports every 5 s: let earlier tests' counts land first
+    before = shadow()
+    turns = run_conversation(service, tokenizer, "e2e-shadow", turns=4, system_tokens=600)
+    after = wait_until(lambda: settled(before, 4), 60, 1.0, "the shadow counters")
+    assert after["n"] - before["n"] == 4 and after["disagree"] == before["disagree"]
+    predicted = sum(t[3] for t in turns)
+    assert predicted > 0 and after["copy"] - before["copy"] == predicted
+    assert after["rr"] - before["rr"] == 4
+    assert after["rr_tokens"] - before["rr_tokens"] <= predicted  # never more than held
+
+
 def _engine_metric(url: str, name: str) -> float:
     import httpx
     return metric_sum(httpx.get(url + "/metrics", timeout=10).text, name)
