@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import time
 from pathlib import Path
 
@@ -70,30 +72,45 @@ def workload(name: str, rate: float | None, seed: int):
     return WORKLOADS[name](**kwargs), kwargs
 
 
+def run_case(case: tuple, progress=None) -> dict:
+    """One simulation of the suite: ``case`` = (replicas, workload, rate or None, policy
+    spec, capacity, seed); returns its summary row."""
+    n, wl, rate, spec, capacity, seed = case
+    reqs, params = workload(wl, rate, seed)
+    bs = BLOCK_SIZE.get(wl, 16)
+    engine = EngineConfig(num_blocks=KV_TOKENS[capacity] // bs, block_size=bs,
+                          max_num_batched_tokens=8192, max_num_seqs=256)
+    pol, kwargs = parse_policy(spec)
+    t0 = time.perf_counter()
+    res = simulate(SimConfig(pol, replicas=n, engine=engine,
+                             step_model=StepTimeModel.load("h200-qwen2.5-7b"), seed=seed,
+                             policy_kwargs=kwargs), reqs, progress=progress)
+    row = res.summary()
+    row.update({"policy": spec, "workload": wl, "params": params, "replicas": n,
+                "capacity": capacity, "wall_s": time.perf_counter() - t0,
+                "machine": f"{platform.node()}: {os.cpu_count()} cores",
+                "ttft_cdf": _cdf(res.ttft_s),
+                "load_samples": res.load_samples[::10] if spec == "prefix_aware" else []})
+    return row
+
+
 def run_suite(workloads: list[str], replicas: list[int], policies: list[str],
-              capacity: str, rates: list[float] | None, seed: int, progress=None) -> list[dict]:
-    model = StepTimeModel.load("h200-qwen2.5-7b")
-    rows = []
-    for n in replicas:
-        for wl in workloads:
-            for rate in (rates or [None]):
-                reqs, params = workload(wl, rate, seed)
-                bs = BLOCK_SIZE.get(wl, 16)
-                engine = EngineConfig(num_blocks=KV_TOKENS[capacity] // bs, block_size=bs,
-                                      max_num_batched_tokens=8192, max_num_seqs=256)
-                for spec in policies:
-                    pol, kwargs = parse_policy(spec)
-                    t0 = time.perf_counter()
-                    res = simulate(SimConfig(pol, replicas=n, engine=engine, step_model=model,
-                                             seed=seed, policy_kwargs=kwargs), reqs,
-                                   progress=(lambda k: progress(k)) if progress else None)
-                    row = res.summary()
-                    row.update({"policy": spec, "workload": wl, "params": params, "replicas": n,
-                                "capacity": capacity, "wall_s": time.perf_counter() - t0,
-                                "ttft_cdf": _cdf(res.ttft_s),
-                                "load_samples": res.load_samples[::10]
-                                if spec == "prefix_aware" else []})
-                    rows.append(row)
+              capacity: str, rates: list[float] | None, seed: int, progress=None,
+              jobs: int = 1) -> list[dict]:
+    """Every (replicas, workload, rate, policy) case, in that order; with ``jobs`` > 1 in
+    that many processes (``progress`` then advances by a whole case's requests when it
+    ends). The rows do not depend on ``jobs``: each case is its own seeded simulation."""
+    cases = [(n, wl, rate, spec, capacity, seed) for n in replicas for wl in workloads
+             for rate in (rates or [None]) for spec in policies]
+    if jobs <= 1:
+        return [run_case(c, progress) for c in cases]
+    import multiprocessing as mp
+    with mp.get_context("fork").Pool(jobs) as pool:
+        rows = []
+        for row in pool.imap(run_case, cases):
+            if progress:
+                progress(row["requests"])
+            rows.append(row)
     return rows
 
 
@@ -118,13 +135,19 @@ def markdown(rows: list[dict]) -> str:
         out.append(f"Ideal hit rate: unlimited cache {rs[0]['ideal_unlimited']:.1%}, one cache "
                    f"of the replicas' combined size {rs[0]['ideal_combined']:.1%}.\n")
         out.append("| policy | hit rate | of combined ideal | TTFT p50 (s) | TTFT p90 (s) | "
-                   "TTFT p99 (s) | E2E p50 (s) | output tok/s | imbalance (with drain) | decision p99 (µs) "
-                   "| ours' TTFT p90 / this |")
-        out.append("|---|---|---|---|---|---|---|---|---|---|---|")
+                   "TTFT p99 (s) | ITL p50 / p90 / p99 (ms) | TPOT p90 (ms) | queue p99 (s) | "
+                   "preemptions | KV 95 % full | E2E p50 (s) | output tok/s | "
+                   "imbalance (with drain) | decision p99 (µs) | ours' TTFT p90 / this |")
+        out.append("|" + "---|" * 16)
         for r in sorted(rs, key=lambda r: r["ttft_p90_s"]):
             ratio = ours["ttft_p90_s"] / r["ttft_p90_s"] if ours and r["ttft_p90_s"] else 0
+            itl = " / ".join(f"{r.get(k, float('nan')) * 1e3:.1f}"
+                             for k in ("itl_p50_s", "itl_p90_s", "itl_p99_s"))
             out.append(f"| {r['policy']} | {r['hit_rate']:.1%} | {r['hit_vs_combined']:.1%} | "
                        f"{r['ttft_p50_s']:.3f} | {r['ttft_p90_s']:.3f} | {r['ttft_p99_s']:.3f} | "
+                       f"{itl} | {r.get('tpot_p90_s', float('nan')) * 1e3:.1f} | "
+                       f"{r.get('queue_p99_s', float('nan')):.3f} | {r.get('preemptions', 0)} | "
+                       f"{r.get('kv_full_frac', 0.0):.1%} | "
                        f"{r['e2e_p50_s']:.2f} | {r['output_tok_s']:.0f} | {r['imbalance']:.2f} "
                        f"({r['imbalance_with_drain']:.2f}) |"
                        f" {r['decision_p99_us']:.0f} | {ratio:.2f} |")
@@ -197,23 +220,40 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--section", default=None,
                     help="heading of the docs/benchmarks.md section to write (default: the "
                          "standard suite's, per capacity)")
+    ap.add_argument("--jobs", type=int, default=1,
+                    help="cases simulated at once, one process each (a many-core machine)")
+    ap.add_argument("--raw", default=None, metavar="PATH",
+                    help="only simulate and write the rows to PATH as JSON (no table, plots "
+                         "or doc; for a machine without the plotting libraries)")
+    ap.add_argument("--from-json", nargs="+", default=None, metavar="PATH",
+                    help="render the rows of earlier --raw runs instead of simulating")
     a = ap.parse_args(argv)
     for spec in a.policies:
         try:
             parse_policy(spec)
         except ValueError as e:
             ap.error(str(e))
-    from rich.progress import Progress
-    total = 0
-    for wl in a.workloads:
-        total += len(workload(wl, None, a.seed)[0]) * len(a.rates or [None])
-    total *= len(a.policies) * len(a.replicas)
     t0 = time.time()
-    with Progress() as bar:
-        task = bar.add_task("simulating", total=total)
+    if a.raw:
         rows = run_suite(a.workloads, a.replicas, a.policies, a.capacity, a.rates, a.seed,
-                         progress=lambda k: bar.advance(task, k))
-    elapsed = time.time() - t0
+                         jobs=a.jobs)
+        Path(a.raw).write_text(json.dumps(rows))
+        print(f"{len(rows)} cases in {time.time() - t0:.0f} s; wrote {a.raw}")
+        return 0
+    if a.from_json:
+        rows = [r for path in a.from_json for r in json.loads(Path(path).read_text())]
+        elapsed = sum(r["wall_s"] for r in rows)
+    else:
+        from rich.progress import Progress
+        total = 0
+        for wl in a.workloads:
+            total += len(workload(wl, None, a.seed)[0]) * len(a.rates or [None])
+        total *= len(a.policies) * len(a.replicas)
+        with Progress() as bar:
+            task = bar.add_task("simulating", total=total)
+            rows = run_suite(a.workloads, a.replicas, a.policies, a.capacity, a.rates, a.seed,
+                             progress=lambda k: bar.advance(task, k), jobs=a.jobs)
+        elapsed = time.time() - t0
     RESULTS.mkdir(exist_ok=True)
     stem = RESULTS / f"policy-bench-{a.capacity}-{int(time.time())}"
     stem.with_suffix(".json").write_text(json.dumps(rows, indent=1))
@@ -227,7 +267,11 @@ def main(argv: list[str] | None = None) -> int:
                                                             __import__("sys").argv[1:])
         write_benchmark_doc(a.section or
                             f"Routing policies in virtual time ({a.capacity} KV capacity)",
-                            cmd.strip(), table + f"\nSuite wall time: {elapsed:.0f} s.")
+                            cmd.strip(), table + f"\nSuite wall time: {elapsed:.0f} s"
+                            + (" (the cases' own, summed)" if a.from_json else "") + "."
+                            + (" Simulated on " + ", ".join(sorted({r.get("machine", "?")
+                                                                    for r in rows})) + "."
+                               if a.from_json else ""))
     return 0
 
 

@@ -14,7 +14,13 @@ TTFT and end-to-end latency percentiles, output tokens/s, imbalance (max/mean in
 requests per replica sampled every 100 ms of virtual time, averaged over the load period:
 from the first arrival to the last, where any request is in flight; the drain after the last
 arrival, where a handful of requests are left and max/mean of small counts is noise, is
-reported apart as ``imbalance_with_drain``), and the wall time of each routing decision.
+reported apart as ``imbalance_with_drain``), the wall time of each routing decision, and
+what users feel beyond the first token: inter-token latency (every gap between two tokens
+of a request, weighted per token: ``LogHistogram``), time per output token per request
+((end - first token) / (output tokens - 1)), queueing time in the engine (arrival to first
+admission), preemptions (vLLM's ``num_preemptions``) and KV-capacity pressure (every
+replica's block-pool usage sampled with the load: mean, and the fraction of samples in
+which some replica is 95 % full).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import heapq
+import math
 import random
 import statistics
 import time
@@ -42,6 +49,37 @@ from router.routing.core import RoutingCore
 from router.routing.replica import ReplicaInfo, ReplicaMetadata, RoutingStats
 
 _NO_METADATA = ReplicaMetadata()
+
+
+class LogHistogram:
+    """Weighted values in log-spaced bins of ratio ``1 + resolution`` (0.5 %: a percentile
+    read from it is within 0.5 % of the exact one), for distributions with too many values
+    to keep (every inter-token gap of a run). Values at or below ``floor`` share one bin."""
+
+    def __init__(self, resolution: float = 0.005, floor: float = 1e-7):
+        self._log_ratio = math.log1p(resolution)
+        self.floor = floor
+        self.bins: dict[int, float] = {}
+        self.total = 0.0
+
+    def add(self, value: float, weight: float = 1.0) -> None:
+        """Count ``value`` ``weight`` times."""
+        k = 0 if value <= self.floor else 1 + int(math.log(value / self.floor) / self._log_ratio)
+        self.bins[k] = self.bins.get(k, 0.0) + weight
+        self.total += weight
+
+    def percentile(self, p: float, default: float = float("nan")) -> float:
+        """The value below which a fraction ``p`` (0..1) of the weight lies (its bin's
+        geometric middle); ``default`` when empty."""
+        if self.total <= 0:
+            return default
+        need, acc = p * self.total, 0.0
+        for k in sorted(self.bins):
+            acc += self.bins[k]
+            if acc >= need:
+                return self.floor if k == 0 else \
+                    self.floor * math.exp((k - 0.5) * self._log_ratio)
+        return self.floor * math.exp((max(self.bins) - 0.5) * self._log_ratio)
 
 
 @dataclass
@@ -113,6 +151,11 @@ class SimResult:
     per_replica_requests: dict[str, int]
     load_samples: list[tuple[float, list[int]]]
     by_request: dict[str, tuple[float, int]] = field(default_factory=dict)
+    itl: LogHistogram = field(default_factory=LogHistogram)
+    tpot_s: list[float] = field(default_factory=list)
+    queue_s: list[float] = field(default_factory=list)
+    preemptions: int = 0
+    kv_samples: list[list[float]] = field(default_factory=list)
 
     def summary(self) -> dict:
         def pct(xs, p):
@@ -128,6 +171,16 @@ class SimResult:
             "e2e_p90_s": pct(self.e2e_s, .9), "output_tok_s": self.output_tokens
             / max(self.makespan_s, 1e-9), "imbalance": self.imbalance,
             "imbalance_with_drain": self.imbalance_with_drain,
+            "itl_p50_s": self.itl.percentile(.5), "itl_p90_s": self.itl.percentile(.9),
+            "itl_p99_s": self.itl.percentile(.99),
+            "tpot_p50_s": pct(self.tpot_s, .5), "tpot_p90_s": pct(self.tpot_s, .9),
+            "tpot_p99_s": pct(self.tpot_s, .99),
+            "queue_p50_s": pct(self.queue_s, .5), "queue_p99_s": pct(self.queue_s, .99),
+            "preemptions": self.preemptions,
+            "kv_usage_mean": statistics.fmean(u for v in self.kv_samples for u in v)
+            if self.kv_samples else 0.0,
+            "kv_full_frac": sum(1 for v in self.kv_samples if max(v) >= 0.95)
+            / max(len(self.kv_samples), 1),
             "decision_p50_us": pct(self.decision_s, .5) * 1e6,
             "decision_p99_us": pct(self.decision_s, .99) * 1e6,
             "per_replica_requests": self.per_replica_requests,
@@ -176,6 +229,12 @@ class _Run:
     by_request: dict[str, tuple[float, int]] = field(default_factory=dict)  # "q<i>": TTFT, cached
     meta: dict[str, tuple] = field(default_factory=dict)  # in flight: replica, arrival, blocks
     samples: list[tuple[float, list[int]]] = field(default_factory=list)
+    kv_samples: list[list[float]] = field(default_factory=list)
+    itl: LogHistogram = field(default_factory=LogHistogram)
+    tpot_s: list[float] = field(default_factory=list)
+    queue_s: list[float] = field(default_factory=list)
+    token_t: dict[str, float] = field(default_factory=dict)  # in flight: its last token's time
+    first_t: dict[str, float] = field(default_factory=dict)  # in flight: its first token's time
     cached: int = 0
     prompt: int = 0
     out_tokens: int = 0
@@ -259,6 +318,7 @@ class Simulation:
             # in-flight counts change only at events: sample the state before this one
             while next_sample <= t:
                 run.samples.append((next_sample, [self.inflight[n] for n in self.names]))
+                run.kv_samples.append([self.engines[n].pool.usage for n in self.names])
                 next_sample += cfg.sample_period_s
             self.clock.t = t
             last_t = max(last_t, t)
@@ -304,15 +364,18 @@ class Simulation:
         # Only an arrival can change this engine's batch before its next step: run pure
         # decode in bulk up to the next arrival.
         share = self._gpu_share(rep)
+        eng.now_s = t
         res = eng.decode_run(1_000_000, (run.next_arrival_s() - t) / share) or eng.step()
-        run.push(t + max(res.duration_s * share, 1e-6), "step_end", (rep, res))
+        run.push(t + max(res.duration_s * share, 1e-6), "step_end", (rep, res, share))
 
     async def _on_step_end(self, run: "_Run", t: float, payload) -> None:
         """A step's results: first tokens, finished requests, and the KV events it made."""
-        rep, res = payload
+        rep, res, share = payload
         eng = self.engines[rep]
+        self._token_times(run, t, res, share)
         for req in res.first_tokens:
             run.ttft_s.append(t - req.arrival_s)
+            run.queue_s.append((req.scheduled_s or req.arrival_s) - req.arrival_s)
             run.by_request[req.request_id] = (t - req.arrival_s, max(req.num_cached_tokens, 0))
             await self.load.prefill_done(req.request_id)
             run.cached += max(req.num_cached_tokens, 0)
@@ -320,6 +383,11 @@ class Simulation:
         run.out_tokens += len(res.new_tokens)
         for req in res.finished:
             run.e2e_s.append(t - req.arrival_s)
+            self.core.observe_output(len(req.output_token_ids))
+            first = run.first_t.pop(req.request_id, t)
+            run.token_t.pop(req.request_id, None)
+            if len(req.output_token_ids) > 1:
+                run.tpot_s.append((t - first) / (len(req.output_token_ids) - 1))
             await self.load.release(req.request_id)
             _, _, nb = run.meta.pop(req.request_id)
             self.inflight[rep] -= 1
@@ -330,6 +398,29 @@ class Simulation:
         if events:
             run.push(t + self.cfg.event_delay_s, "events", (rep, events))
         run.push(t, "step", rep)
+
+    @staticmethod
+    def _token_times(run: "_Run", t: float, res, share: int) -> None:
+        """Inter-token gaps of the tokens a step (or a run of decode steps) produced, ending
+        at ``t``: a request's first gap in it is from its previous token; within a run of
+        ``k`` steps every request's next gaps are the steps' durations (times ``share``,
+        the GPU's engines with work)."""
+        seen: dict[str, int] = {}
+        for req, _ in res.new_tokens:
+            seen[req.request_id] = seen.get(req.request_id, 0) + 1
+        steps = res.step_durations_s
+        start = t - res.duration_s * share
+        first_end = start + (steps[0] if steps else res.duration_s) * share
+        for rid in seen:
+            last = run.token_t.get(rid)
+            if last is None:
+                run.first_t[rid] = first_end
+            else:
+                run.itl.add(first_end - last)
+            run.token_t[rid] = t
+        if steps and len(steps) > 1:
+            for d in steps[1:]:
+                run.itl.add(d * share, len(seen))
 
     async def _on_events(self, run: "_Run", t: float, payload) -> None:
         """KV events reach the index."""
@@ -357,7 +448,10 @@ class Simulation:
             imbalance=statistics.fmean(ratios) if ratios else 1.0,
             imbalance_with_drain=statistics.fmean(with_drain) if with_drain else 1.0,
             decision_s=decision,
-            per_replica_requests=per_replica, load_samples=samples, by_request=by_request)
+            per_replica_requests=per_replica, load_samples=samples, by_request=by_request,
+            itl=run.itl, tpot_s=run.tpot_s, queue_s=run.queue_s,
+            preemptions=sum(e.preemptions_total for e in self.engines.values()),
+            kv_samples=run.kv_samples)
 
 
 def simulate(cfg: SimConfig, requests: Sequence[WorkloadRequest],

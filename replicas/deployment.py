@@ -200,7 +200,8 @@ class EngineReplica:
             index_dirty=self.feed.dirty,
             engine_pid=self.engine.proc.pid if self.engine.proc else None,
             running=snap.running, waiting=snap.waiting, kv_usage_frac=snap.kv_usage_frac,
-            engine_alive=self.engine.alive(), restarts=self.restarts)
+            engine_alive=self.engine.alive(), restarts=self.restarts,
+            mean_output_tokens=snap.mean_output_tokens)
 
     async def _probe_hashes(self, timeout_s: float = 5.0) -> str:
         """Send a probe prompt and compare the engine's ``BlockStored`` hashes with ours.

@@ -28,6 +28,13 @@ class EngineSnapshot:
     prefix_cache_queries_total: float = 0.0
     prefix_cache_hits_total: float = 0.0
     requests_finished_total: float = 0.0
+    generation_tokens_total: float = 0.0
+
+    @property
+    def mean_output_tokens(self) -> float | None:
+        """Output tokens per finished request so far; None before any finished."""
+        return self.generation_tokens_total / self.requests_finished_total \
+            if self.requests_finished_total > 0 else None
 
     @property
     def computed_prompt_tokens_total(self) -> float:
@@ -44,7 +51,8 @@ _SAMPLES = {"vllm:prompt_tokens_total": "prompt_tokens_total",
             "vllm:prefix_cache_queries_total": "prefix_cache_queries_total",
             "vllm:prefix_cache_hits_total": "prefix_cache_hits_total",
             # every finish reason counted there (stop, length, error, repetition) summed
-            "vllm:request_success_total": "requests_finished_total"}
+            "vllm:request_success_total": "requests_finished_total",
+            "vllm:generation_tokens_total": "generation_tokens_total"}
 
 
 def parse_engine_metrics(text: str) -> EngineSnapshot:

@@ -154,12 +154,13 @@ class Settings(BaseSettings):
     # --- routing ------------------------------------------------------------------------
     policy: Literal["prefix_aware", "round_robin", "random", "least_loaded"] = Field(
         "prefix_aware", description="Routing policy by name.")
-    load_factor: float = Field(
-        1.35, ge=1.0, description="prefix_aware's load bound: a replica whose in-flight "
-                                  "requests would exceed max(load_factor x mean, mean + 2) is "
-                                  "passed over while another is within it. Lower: less "
-                                  "imbalance, more prefixes recomputed on a second replica; "
-                                  "the trade-off is measured in docs/benchmarks.md.")
+    load_factor: Optional[float] = Field(
+        None, ge=1.0, description="An operator's cap on imbalance for prefix_aware, off by "
+                                  "default: a replica whose in-flight requests would exceed "
+                                  "max(load_factor x mean, mean + 2) is passed over while "
+                                  "another is within it. The cost model spreads hot prefixes "
+                                  "without it (docs/architecture.md, 'The cost model'); a cap "
+                                  "recomputes prefixes on a second replica.")
     allow_policy_override: bool = Field(
         False, description="Honour an 'x-routing-policy' request header naming a policy, and "
                            "'x-data-path' (direct or serve): benchmarks and tests compare "
@@ -186,8 +187,12 @@ class Settings(BaseSettings):
         20000.0, gt=0, description="Initial prefill rate per replica for the cost model; "
                                    "replaced by the measured rate once requests complete.")
     decode_step_s: float = Field(
-        0.005, ge=0, description="Initial cost of one decode step per running sequence batch, "
-                                 "for the decode-pressure term (s).")
+        7.85e-6, ge=0, description="Step time one more decoding sequence adds (s): the cost "
+                                   "model's decode terms (its prefill waits on the running "
+                                   "decodes; its decode slows theirs). Default: the H200 "
+                                   "profile of a 7B model (replicas/sim/profiles/"
+                                   "h200-qwen2.5-7b.json, c_s_per_seq); other hardware: "
+                                   "measure it (docs/benchmarks.md, calibration).")
     tie_tolerance_s: float = Field(
         0.002, ge=0, description="prefix_aware: costs within this (or within 5 %) of the "
                                  "lowest are near-ties, which go to the replica with the most "

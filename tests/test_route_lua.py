@@ -53,7 +53,8 @@ def route_kwargs(policy: PrefixAware, u: float, rate=20000.0):
     return dict(block_size=BS, prefill_rate=rate, work_weight=policy.work_weight,
                 decode_step_s_per_seq=0.005, step_token_budget=policy.step_token_budget,
                 tie_abs_s=policy.tie_abs_s, tie_rel=policy.tie_rel, u=u,
-                load_factor=policy.load_factor, max_inflight=policy.max_inflight)
+                load_factor=policy.load_factor, max_inflight=policy.max_inflight,
+                running_weight=policy.running_weight, interference=policy.interference)
 
 
 async def test_lua_route_chooses_as_the_python_policy(redis_pair):
@@ -72,16 +73,23 @@ async def test_lua_route_chooses_as_the_python_policy(redis_pair):
         prompt = len(prefix) * BS + rng.randrange(0, 40)
         u = rng.random()
         # every third trial with an admission bound (the load bound's cap)
+        # every other trial with the running and interference terms, no load bound
+        full = trial % 2 == 1
         policy = PrefixAware(random.Random(), max_inflight=rng.randrange(1, 4)
-                             if trial % 3 == 0 else None)
+                             if trial % 3 == 0 else None, running_weight=1.0 if full else 0.0,
+                             interference=1.0 if full else 0.0,
+                             load_factor=None if full else 1.35)
+        out = rng.randrange(0, 500)
         loads = await load.loads(replicas)
         matched = await index.lookup(prefix, replicas)
         cands = [Candidate(r, matched[r], loads[r], 20000.0, 0.005) for r in replicas]
         policy.rng = random.Random()
         policy.rng.random = lambda: u
-        expected = policy.choose(RouteRequest(prompt, BS, len(prefix)), cands).replica
-        chosen, lua_matched = await AtomicRoute(index, load).route(f"req{trial}", prompt, prefix,
-                                               replicas, [15.0] * 4, **route_kwargs(policy, u))
+        expected = policy.choose(RouteRequest(prompt, BS, len(prefix),
+                                              expected_output_tokens=out), cands).replica
+        chosen, lua_matched = await AtomicRoute(index, load).route(
+            f"req{trial}", prompt, prefix, replicas, [15.0] * 4, **route_kwargs(policy, u),
+            expected_output_tokens=out)
         assert lua_matched == matched
         assert chosen == expected, (trial, matched, loads)
         await load.release(f"req{trial}")
@@ -226,12 +234,17 @@ async def _warm_then_overload(routers: int) -> tuple[float, int]:
     fraction sent to their warm replica. (b) 40 more long P_a requests: the total in flight
     when the first one spills to B."""
     ns = f"t-{uuid.uuid4().hex[:8]}"
-    settings = Settings(redis_url=REDIS_URL, index_namespace=ns, block_size=BS)
+    # an engine whose step grows 5 ms per decoding sequence (a CPU engine): A's load
+    # outweighs its cache within the 40 extra requests
+    settings = Settings(redis_url=REDIS_URL, index_namespace=ns, block_size=BS,
+                        decode_step_s=0.005)
     conn = RedisConnections(REDIS_URL, 2.0)
     index = RedisPrefixIndex(REDIS_URL, ns, connections=conn)
     trackers = [RedisLoadTracker(conn, ns) for _ in range(routers)]
     cores = [RoutingCore(settings, index, t, PrefixAware(random.Random(k)),
                          atomic=AtomicRoute(index, t)) for k, t in enumerate(trackers)]
+    for core in cores:  # answers of 16 tokens seen: the decode-interference term is known
+        core.observe_output(16)
     p_a, p_b = list(range(1, 41)), list(range(1001, 1041))  # 40 blocks each: 1,280 tokens
     await index.apply_events("a", [KVEvent("stored", p_a, None)])
     await index.apply_events("b", [KVEvent("stored", p_b, None)])

@@ -63,6 +63,7 @@ class SimRequest:
     finished: bool = False
     aborted: bool = False
     first_token_step: int | None = None
+    scheduled_s: float | None = None  # engine time of its first admission (queueing ends)
 
     @property
     def prompt_tokens(self) -> int:
@@ -82,7 +83,9 @@ class SimRequest:
 @dataclass
 class StepResult:
     """What one step did: its duration (s), token counts, requests that got their first
-    token, every (request, new token) pair, and requests that finished."""
+    token, every (request, new token) pair, and requests that finished. A run of pure
+    decode steps (``SimEngine.decode_run``) is one result with ``step_durations_s``, each
+    of its steps' modelled time in order (they sum to ``duration_s``)."""
 
     duration_s: float
     prefill_tokens: int
@@ -90,6 +93,7 @@ class StepResult:
     first_tokens: list[SimRequest]
     new_tokens: list[tuple[SimRequest, int]]
     finished: list[SimRequest]
+    step_durations_s: list[float] | None = None
 
 
 @dataclass
@@ -133,6 +137,8 @@ class SimEngine:
         self.prefix_cache_hits_total = 0
         self.prefill_time_sum_s = 0.0
         self.requests_finished_total = 0  # vllm:request_success_total (any reason)
+        self.preemptions_total = 0  # vllm:num_preemptions_total
+        self.now_s = 0.0  # the caller's clock at the start of the next step (queueing time)
 
     # --- requests --------------------------------------------------------------------
     def add_request(self, req: SimRequest) -> None:
@@ -186,6 +192,7 @@ class SimEngine:
         req.num_cached_blocks = len(hit)
         req.num_computed_tokens = len(hit) * bs
         if req.num_cached_tokens < 0:  # first admission (not a preemption re-admit)
+            req.scheduled_s = self.now_s
             req.num_cached_tokens = req.num_computed_tokens
             self.prompt_tokens_total += req.prompt_tokens
             self.prompt_tokens_cached_total += req.num_cached_tokens
@@ -206,6 +213,7 @@ class SimEngine:
             if victim is keep:
                 continue
             self.running.remove(victim)
+            self.preemptions_total += 1
             self.pool.free_blocks(reversed(victim.blocks))
             victim.blocks = []
             victim.num_cached_blocks = 0
@@ -337,7 +345,9 @@ class SimEngine:
                 self._finish(req)
                 finished.append(req)
         self.steps += k
-        return StepResult(duration(k), 0, n, [], new_tokens, finished)
+        steps = [m.a_s + m.c_s_per_seq * n + m.d_s_per_context_token * (ctx0 + n * j)
+                 for j in range(k)]  # duration(k) term by term
+        return StepResult(duration(k), 0, n, [], new_tokens, finished, steps)
 
     def _cache_blocks(self, req: SimRequest) -> None:
         """Cache the request's newly full blocks (prompt and generated tokens)."""

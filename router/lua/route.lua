@@ -23,8 +23,10 @@
 --   15 load_factor (bounded load), 16 u (uniform random in [0,1)), 17 heartbeat TTL (ms),
 --   refreshed with the reservation so that no lease exists without a live heartbeat
 --   (another router's sweep would otherwise release a new router's first leases),
---   18 max_inflight (the admission bound caps the bounded load; 0: none), then per
---   candidate its predicted TTL (ms), then the n candidate ids
+--   18 max_inflight (the admission bound caps the bounded load; 0: none), 19 running_weight,
+--   20 interference, 21 expected output tokens (PrefixAware's parameters and
+--   RouteRequest.expected_output_tokens), then per candidate its predicted TTL (ms), then
+--   the n candidate ids
 -- Returns: {chosen index (1-based, 0 in lookup mode), matched blocks per candidate...}
 local mode = ARGV[1]
 local now = tonumber(ARGV[2])
@@ -84,10 +86,13 @@ local tie_abs = tonumber(ARGV[13]); local tie_rel = tonumber(ARGV[14])
 local load_factor = tonumber(ARGV[15]); local u = tonumber(ARGV[16])
 local heartbeat_ttl = tonumber(ARGV[17])
 local max_inflight = tonumber(ARGV[18])
+local running_weight = tonumber(ARGV[19]); local interference = tonumber(ARGV[20])
+local out_tokens = tonumber(ARGV[21])
+local F = 21  -- fixed arguments before the per-candidate ones
 local cands, ttls = {}, {}
 for j = 1, nc do
-  ttls[j] = tonumber(ARGV[18 + j])
-  cands[j] = ARGV[18 + nc + j]
+  ttls[j] = tonumber(ARGV[F + j])
+  cands[j] = ARGV[F + nc + j]
 end
 local replicas_set = KEYS[2 * nc + 1]; local load = KEYS[2 * nc + 2]
 local leases = KEYS[2 * nc + 3]; local heartbeat = KEYS[2 * nc + 4]
@@ -127,7 +132,9 @@ for j = 1, nc do
   local unc = math.max(P - hit, 1)
   local work = math.max(q, 0) + unc
   local steps = math.ceil(work / budget)
-  cost[j] = work / rate + steps * dstep * math.max(n, 0) + ww * unc / rate
+  local nr = math.max(n, 0)
+  cost[j] = work / rate + steps * dstep * nr + (ww + running_weight * nr) * unc / rate
+            + interference * 2 * dstep * out_tokens * nr
 end
 -- bounded load: candidates that would exceed the bound are passed over while any is within
 local mean = (total + 1) / nc

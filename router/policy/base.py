@@ -51,7 +51,9 @@ class RouteRequest:
     """The request as a policy sees it: ``prompt_tokens`` long, cut into ``block_size``
     blocks, ``num_blocks`` of them full. The anchors' re-implementations also read
     ``text`` (the prompt's characters, as SGLang's and Ray's matchers see them),
-    ``first_user_text`` (KubeAI's key) and ``lora`` (the adapter name)."""
+    ``first_user_text`` (KubeAI's key) and ``lora`` (the adapter name).
+    ``expected_output_tokens``: the mean output length of the router's recent completions
+    (``RoutingCore.observe_output``), 0 before any."""
 
     prompt_tokens: int
     block_size: int
@@ -60,6 +62,7 @@ class RouteRequest:
     text: str = ""
     first_user_text: str = ""
     lora: str | None = None
+    expected_output_tokens: float = 0.0
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""The project's policy: lowest expected time to first token, with bounded load."""
+"""The project's policy: the lowest expected latency cost, the request's and what it adds to others'."""
 
 from __future__ import annotations
 
@@ -10,49 +10,61 @@ from router.policy.base import Candidate, Decision, Policy, RouteRequest, cached
 
 
 class PrefixAware(Policy):
-    """Lowest expected time to first token, charged for the work the request adds
-    (docs/architecture.md, decision 4).
+    """Lowest expected cost in seconds: the request's own time to first token plus the time
+    it takes from the requests it shares a replica with (docs/architecture.md, "The cost
+    model"). No threshold decides between cache and load; the terms do.
 
-    For each candidate ``r`` with ``cached_r`` tokens of the prompt in its cache::
+    For each candidate ``r`` with ``cached_r`` tokens of the prompt in its cache, ``n_r``
+    requests in flight there and ``queued_r`` prefill tokens ahead; ``R`` the fleet's
+    measured prefill rate (tokens/s), ``c`` the step time one more decoding sequence adds
+    (s, ``Candidate.decode_step_s_per_seq``: the engine profile's per-sequence term), ``D``
+    the expected output length (tokens, ``RouteRequest.expected_output_tokens``: what the
+    engines report, ``vllm:generation_tokens_total / vllm:request_success_total``)::
 
         uncached_r = prompt_tokens - cached_r                                   (tokens)
-        ttft_r     = (queued_prefill_tokens_r + uncached_r) / prefill_rate
-                   + ceil(work_r / step_token_budget) * decode_step_s_per_seq * running_r
-        cost_r     = ttft_r + work_weight * uncached_r / prefill_rate + penalty_r
+        ttft_r     = (queued_r + uncached_r) / R
+                   + ceil((queued_r + uncached_r) / step_token_budget) * c * n_r
+        cost_r     = ttft_r                                   # its own first token
+                   + (work_weight + n_r) * uncached_r / R     # its prefill, borne by others
+                   + 2 * c * D * n_r                          # its decode beside theirs
+                   + penalty_r
 
-    ``ttft_r`` is the prefill work ahead of the request plus its own uncached tokens at the
-    fleet's measured prefill rate, plus what the replica's running decodes add to each step
-    the prefill needs (step model ``t = a + b·prefill + c·decode``, docs/reference.md 6.1).
-    The ``work_weight`` term charges the delay the request's own prefill imposes on every
-    request queued behind it on that replica; without it a burst of siblings sharing a new
-    prefix would be spread to idle replicas, each recomputing the prefix, because the first
-    sibling's prefill is still queued where the prefix is being built.
+    * ``ttft_r``: the prefill work ahead of it plus its own uncached tokens, plus what the
+      running decodes add to each step the prefill needs (step model
+      ``t = a + b * prefill + c * decode``, docs/reference.md 6.1).
+    * Its prefill, borne by others: every step that carries its prefill chunks is longer for
+      the ``n_r`` requests decoding there (vLLM mixes prefill chunks into decode steps), by
+      ``uncached_r / R`` in all; and ``work_weight`` (1) more request, the next one to
+      arrive, waits behind it. Without the latter a burst of siblings sharing a new prefix
+      is spread to idle replicas, each recomputing the prefix, while the first sibling's
+      prefill is still queued where the prefix is being built.
+    * Its decode beside theirs: for about ``D`` steps its sequence adds ``c`` to each step
+      of the ``n_r`` others, and theirs add ``c * n_r`` to each of its own: the
+      inter-token latency it costs and suffers, ``2 * c * D * n_r``. This is what spreads a
+      hot prefix: a replica keeps it while the prefill the hit saves outweighs the decode
+      interference of its extra requests, judged per request with the engine's own step
+      profile, not at a fixed imbalance.
+
+    The three terms are sums of seconds over the requests concerned (one user's first
+    token, many users' inter-token gaps), so the policy minimises the total latency the
+    decision adds. ``running_weight`` and ``interference`` scale the second and third terms
+    (1: as stated; 0: without, for the benchmark's ablation only).
 
     Candidates within ``tie_rel`` (relative) or ``tie_abs_s`` of the best cost are near-ties:
-    among them the replica with the most cached tokens, then the fewest requests in flight
-    (a cold request or a spill goes where it adds least to the imbalance: decode-heavy load
-    barely changes the cost), then the one whose last assignment is oldest (a rotating
-    tie-break that spreads cold starts when nothing is in flight, docs/fault-cases.md 1.4), then
-    chance.
+    among them the replica with the most cached tokens, then the fewest requests in flight,
+    then the one whose last assignment is oldest (a rotating tie-break that spreads cold
+    starts when nothing is in flight, docs/fault-cases.md 1.4), then chance.
 
-    Bounded load: a candidate whose in-flight count would exceed
-    ``max(load_factor * (total + 1) / n, (total + 1) / n + 2)`` (``total`` = requests in flight
-    over the candidates) is passed over while any candidate is within the bound (consistent
-    hashing with bounded loads, Mirrokni et al. 2018, as KubeAI's CHWBL applies it; KubeAI's
-    factor is 1.25, ours 1.35, the point of the benchmarked trade-off in
-    ``docs/benchmarks.md`` that keeps both the hit rate at >= 95 % of the ideal and the
-    imbalance at <= 1.3 on the SGLang and llm-d shapes; ``math.inf`` disables the bound).
-    A hot prefix then spills to the least costly replica, which becomes warm
-    for it too: a little hit rate for a bounded imbalance, even where a busy replica's TTFT
-    would still be the lowest (decode-heavy traffic barely slows a prefill, but every request
-    on an overfull replica decodes slower).
-
-    With ``max_inflight`` (the admission bound) the bound is also at most that many
-    requests in flight.
+    ``load_factor`` (off by default: ``None``) is an operator's explicit cap, consistent
+    hashing with bounded loads (Mirrokni et al. 2018, as KubeAI's CHWBL applies it): a
+    candidate whose in-flight count would exceed
+    ``max(load_factor * (total + 1) / n, (total + 1) / n + 2)`` is passed over while any is
+    within it. With ``max_inflight`` (the admission bound) a candidate must also have fewer
+    than that many requests in flight while one does.
 
     A miss is thus decided by load (docs/fault-cases.md 1.1); a warm replica keeps its traffic
-    until its queue costs more than the prefill it saves or it exceeds the bound, judged per request
-    (docs/fault-cases.md 1.6): there is no fleet-wide imbalance switch.
+    until its queue and its decode interference cost more than the prefill it saves, judged
+    per request (docs/fault-cases.md 1.6): there is no fleet-wide imbalance switch.
     """
 
     name = "prefix_aware"
@@ -60,15 +72,18 @@ class PrefixAware(Policy):
 
     def __init__(self, rng: random.Random | None = None, tie_abs_s: float = 0.002,
                  tie_rel: float = 0.05, step_token_budget: int = 2048,
-                 work_weight: float = 1.0, load_factor: float = 1.35,
-                 max_inflight: int | None = None):
+                 work_weight: float = 1.0, load_factor: float | None = None,
+                 max_inflight: int | None = None, running_weight: float = 1.0,
+                 interference: float = 1.0):
         super().__init__(rng)
         self.max_inflight = max_inflight
         self.tie_abs_s = tie_abs_s
         self.tie_rel = tie_rel
         self.step_token_budget = step_token_budget
         self.work_weight = work_weight
-        self.load_factor = load_factor
+        self.load_factor = math.inf if load_factor is None else load_factor
+        self.running_weight = running_weight
+        self.interference = interference
 
     def load_bound(self, candidates: Sequence[Candidate]) -> float:
         """Largest in-flight count a candidate may have to take the request: the bounded
@@ -89,8 +104,12 @@ class PrefixAware(Policy):
 
     def cost_s(self, request: RouteRequest, c: Candidate) -> float:
         """The quantity minimised: TTFT plus the delay imposed on others (s)."""
+        n = max(c.load.inflight, 0)
         return (self.expected_ttft_s(request, c)
-                + self.work_weight * self._uncached(request, c) / c.prefill_tokens_per_s
+                + (self.work_weight + self.running_weight * n)
+                * self._uncached(request, c) / c.prefill_tokens_per_s
+                + self.interference * 2 * c.decode_step_s_per_seq
+                * request.expected_output_tokens * n
                 + c.healthy_penalty_s)
 
     @staticmethod

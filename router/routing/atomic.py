@@ -9,6 +9,7 @@ checks that both choose alike.
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 from router.index.redis import RedisPrefixIndex
@@ -40,8 +41,10 @@ class AtomicRoute:
                     replicas: Sequence[str], ttls_s: Sequence[float], *, block_size: int,
                     prefill_rate: float, work_weight: float, decode_step_s_per_seq: float,
                     step_token_budget: int, tie_abs_s: float, tie_rel: float, u: float,
-                    load_factor: float = 1.35,
-                    max_inflight: int | None = None) -> tuple[str, dict[str, int]]:
+                    load_factor: float = math.inf,
+                    max_inflight: int | None = None, running_weight: float = 0.0,
+                    interference: float = 0.0,
+                    expected_output_tokens: float = 0.0) -> tuple[str, dict[str, int]]:
         """Choose among ``replicas`` (non-empty) and reserve the choice's load.
 
         Args:
@@ -50,7 +53,9 @@ class AtomicRoute:
             block_size: tokens per block.
             prefill_rate: tokens/s; work_weight, decode_step_s_per_seq (s),
                 step_token_budget (tokens), tie_abs_s (s), tie_rel, load_factor,
-                max_inflight: the ``PrefixAware`` parameters of the same names.
+                max_inflight, running_weight, interference: the ``PrefixAware``
+                parameters of the same names.
+            expected_output_tokens: ``RouteRequest.expected_output_tokens``.
             u: uniform in [0, 1), the final tie-break (the policy's rng draws it).
         Returns:
             (chosen replica, matched blocks per replica).
@@ -65,7 +70,8 @@ class AtomicRoute:
                 request_id, load.lease_owner(request_id), prompt_tokens, block_size, prefill_rate,
                 work_weight, decode_step_s_per_seq, step_token_budget, tie_abs_s, tie_rel,
                 min(load_factor, 1e9), u, int(load.heartbeat_ttl_s * 1000),
-                int(max_inflight or 0), *(int(t * 1000) for t in ttls_s), *replicas]
+                int(max_inflight or 0), running_weight, interference, expected_output_tokens,
+                *(int(t * 1000) for t in ttls_s), *replicas]
 
         async def run(client):
             return await load.scripts.of(client).route(keys=redis_keys, args=args)

@@ -13,6 +13,7 @@ and otherwise decides by load; the fallback is counted, and the next lookups try
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -93,6 +94,8 @@ class RoutingCore:
         self.shadow = shadow
         self.index_available = True
         self.recent = RecentDecisions(load.clock)
+        self._outputs: collections.deque[int] = collections.deque(maxlen=1000)
+        self._outputs_sum = 0
         self._mismatch_logged: set[str] = set()
         self._restarts_seen: dict[str, int] = {}
 
@@ -327,7 +330,7 @@ class RoutingCore:
             matched = self.recent.lookup(inp.block_hashes, ids)
         loads = await self.load.loads(ids)
         candidates = self._candidates(pool, matched, loads)
-        req = self._route_request(inp)
+        req = self._route_request(inp, pool)
         if observed is not None:
             observed.append((req, candidates, 0.0))
         decision = policy.choose(req, candidates)
@@ -354,11 +357,31 @@ class RoutingCore:
                           active_blocks=r.stats.active_blocks)
                 for r in pool]
 
-    def _route_request(self, inp: RouteInput) -> RouteRequest:
+    def observe_output(self, output_tokens: int) -> None:
+        """A request routed here finished with ``output_tokens`` tokens: the mean of the
+        last 1,000 is the policy's expected output length (``expected_output_tokens``)."""
+        if len(self._outputs) == self._outputs.maxlen:
+            self._outputs_sum -= self._outputs[0]
+        self._outputs.append(output_tokens)
+        self._outputs_sum += output_tokens
+
+    def expected_output_tokens(self, pool: Sequence[ReplicaInfo] = ()) -> float:
+        """The expected output length of a request (tokens): the mean of what the
+        replicas' engines report (``RoutingStats.mean_output_tokens``), else of this core's
+        last 1,000 completions (``observe_output``: the simulator), else 0."""
+        known = [r.stats.mean_output_tokens for r in pool
+                 if r.stats.mean_output_tokens is not None]
+        if known:
+            return sum(known) / len(known)
+        return self._outputs_sum / len(self._outputs) if self._outputs else 0.0
+
+    def _route_request(self, inp: RouteInput,
+                       pool: Sequence[ReplicaInfo] = ()) -> RouteRequest:
         return RouteRequest(prompt_tokens=inp.prompt_tokens,
                             block_size=self.hash_settings.block_size,
                             num_blocks=len(inp.block_hashes), cacheable=inp.cacheable,
-                            text=inp.text, first_user_text=inp.first_user_text)
+                            text=inp.text, first_user_text=inp.first_user_text,
+                            expected_output_tokens=self.expected_output_tokens(pool))
 
     async def _decide_atomic(self, inp: RouteInput, pool: Sequence[ReplicaInfo],
                              policy: PrefixAware, observed: list | None = None) -> Decision:
@@ -380,10 +403,12 @@ class RoutingCore:
             decode_step_s_per_seq=self.settings.decode_step_s,
             step_token_budget=policy.step_token_budget, tie_abs_s=policy.tie_abs_s,
             tie_rel=policy.tie_rel, u=policy.rng.random(), load_factor=policy.load_factor,
-            max_inflight=policy.max_inflight)
+            max_inflight=policy.max_inflight, running_weight=policy.running_weight,
+            interference=policy.interference,
+            expected_output_tokens=self.expected_output_tokens(pool))
         self.index_available = True
         if before is not None:
-            observed.append((self._route_request(inp),
+            observed.append((self._route_request(inp, pool),
                              self._candidates(pool, matched, before), read_s))
         predicted = {r: cached_tokens(m, inp.prompt_tokens, bs) for r, m in matched.items()}
         rest = sorted((r for r in ids if r != chosen), key=lambda r: -predicted[r])

@@ -103,6 +103,9 @@ class RoutingStats:
             the first report.
         restarts: times the replica restarted its engine.
         active_blocks: KV blocks of the requests in flight there (simulator only).
+        mean_output_tokens: output tokens per finished request over the engine's life
+            (``vllm:generation_tokens_total / vllm:request_success_total``), None before
+            any finished.
         scrape_error: why the last scrape of the engine's metrics failed.
     """
 
@@ -120,6 +123,7 @@ class RoutingStats:
     engine_alive: bool | None = None
     restarts: int | None = None
     active_blocks: int = 0
+    mean_output_tokens: float | None = None
     scrape_error: str | None = None
 
     @classmethod

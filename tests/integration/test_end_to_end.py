@@ -108,8 +108,12 @@ def test_shadow_evaluation_reports_each_decision_and_the_live_copy_agrees(servic
         return now if now["n"] - before["n"] >= turns and now["rr"] - before["rr"] >= turns \
             and now["copy"] - before["copy"] == now["live"] - before["live"] else None
 
-    time.sleep(6)  # Ray exports every 5 s: let earlier tests' counts land first
-    before = shadow()
+    def quiet():  # earlier tests' counts have landed: nothing moves for one export period
+        first = shadow()
+        time.sleep(11)  # Ray's metrics agent reports every 10 s
+        return first if shadow() == first else None
+
+    before = wait_until(quiet, 90, 0.1, "quiet shadow counters")
     turns = run_conversation(service, tokenizer, "e2e-shadow", turns=4, system_tokens=600)
     after = wait_until(lambda: settled(before, 4), 60, 1.0, "the shadow counters")
     assert after["n"] - before["n"] == 4 and after["disagree"] == before["disagree"]
