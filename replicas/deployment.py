@@ -201,7 +201,8 @@ class EngineReplica:
             engine_pid=self.engine.proc.pid if self.engine.proc else None,
             running=snap.running, waiting=snap.waiting, kv_usage_frac=snap.kv_usage_frac,
             engine_alive=self.engine.alive(), restarts=self.restarts,
-            mean_output_tokens=snap.mean_output_tokens)
+            output_tokens_total=snap.generation_tokens_total,
+            requests_finished_total=snap.requests_finished_total)
 
     async def _probe_hashes(self, timeout_s: float = 5.0) -> str:
         """Send a probe prompt and compare the engine's ``BlockStored`` hashes with ours.

@@ -31,12 +31,6 @@ class EngineSnapshot:
     generation_tokens_total: float = 0.0
 
     @property
-    def mean_output_tokens(self) -> float | None:
-        """Output tokens per finished request so far; None before any finished."""
-        return self.generation_tokens_total / self.requests_finished_total \
-            if self.requests_finished_total > 0 else None
-
-    @property
     def computed_prompt_tokens_total(self) -> float:
         """Prompt tokens the engine computed rather than took from its prefix cache."""
         return self.prefix_cache_queries_total - self.prefix_cache_hits_total

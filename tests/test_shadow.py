@@ -94,3 +94,16 @@ def test_the_sample_rate_is_honoured():
     assert isinstance(ev.policies["least_loaded"], LeastLoaded)
     with pytest.raises(ValueError):
         ShadowEvaluator(["no_such_policy"], 0.1)
+
+
+async def test_a_failing_shadow_evaluation_leaves_the_decision_standing():
+    class Broken(ShadowEvaluator):
+        def evaluate(self, *args, **kwargs):
+            raise RuntimeError("broken shadow")
+
+    core = RoutingCore(Settings(), MemoryPrefixIndex(), MemoryLoadTracker(),
+                       PrefixAware(random.Random(0)), shadow=Broken(SHADOWS, 1.0))
+    reps = [ReplicaInfo("a", {}, {}), ReplicaInfo("b", {}, {})]
+    d = await core.decide("x", 100, [1, 2, 3], reps)
+    assert d.replica in ("a", "b") and d.reason in ("cache", "load") and d.shadow is None
+    assert (await core.load.loads(["a", "b"]))[d.replica].inflight == 1  # still reserved

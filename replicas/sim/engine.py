@@ -63,7 +63,7 @@ class SimRequest:
     finished: bool = False
     aborted: bool = False
     first_token_step: int | None = None
-    scheduled_s: float | None = None  # engine time of its first admission (queueing ends)
+    scheduled_s: float | None = None  # engine time it first ran (its queueing ends)
 
     @property
     def prompt_tokens(self) -> int:
@@ -192,7 +192,6 @@ class SimEngine:
         req.num_cached_blocks = len(hit)
         req.num_computed_tokens = len(hit) * bs
         if req.num_cached_tokens < 0:  # first admission (not a preemption re-admit)
-            req.scheduled_s = self.now_s
             req.num_cached_tokens = req.num_computed_tokens
             self.prompt_tokens_total += req.prompt_tokens
             self.prompt_tokens_cached_total += req.num_cached_tokens
@@ -251,6 +250,8 @@ class SimEngine:
                 break
             self.waiting.popleft()
             self.running.append(req)
+            if req.scheduled_s is None:  # first time it runs: its queueing ends
+                req.scheduled_s = self.now_s
             scheduled.append((req, n))
             budget -= n
         prefill = sum(n for r, n in scheduled if r.in_prefill)

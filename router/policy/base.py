@@ -26,7 +26,7 @@ class Candidate:
         load: the routers' reservations on the replica.
         prefill_tokens_per_s: measured prefill rate of its engine (tokens/s).
         decode_step_s_per_seq: added step time per running sequence (s), from the engine
-            profile (H200 fit: 30.1 µs, ``replicas/sim/profiles``).
+            profile (H200 fit of a 7B model: 7.85 µs, ``replicas/sim/profiles``).
         kv_usage_frac: the engine's KV cache usage (0..1) if known.
         healthy_penalty_s: extra cost for a replica recently failing requests (circuit
             breaker); ``math.inf`` when open.
@@ -39,7 +39,7 @@ class Candidate:
     matched_blocks: int = 0
     load: ReplicaLoad = field(default_factory=ReplicaLoad)
     prefill_tokens_per_s: float = 20000.0
-    decode_step_s_per_seq: float = 30e-6
+    decode_step_s_per_seq: float = 7.85e-6
     kv_usage_frac: float | None = None
     healthy_penalty_s: float = 0.0
     waiting: int = 0
@@ -52,8 +52,8 @@ class RouteRequest:
     blocks, ``num_blocks`` of them full. The anchors' re-implementations also read
     ``text`` (the prompt's characters, as SGLang's and Ray's matchers see them),
     ``first_user_text`` (KubeAI's key) and ``lora`` (the adapter name).
-    ``expected_output_tokens``: the mean output length of the router's recent completions
-    (``RoutingCore.observe_output``), 0 before any."""
+    ``expected_output_tokens``: the expected output length
+    (``RoutingCore.expected_output_tokens``: from the engines' counters), 0 before any."""
 
     prompt_tokens: int
     block_size: int

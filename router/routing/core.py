@@ -179,12 +179,10 @@ class RoutingCore:
         decision = None
         index_failed = False
         pinned, outcome = None, None
-        observed: list | None = None  # the sampled decision's (request, candidates)
-        live_copy, shadow_s = None, 0.0
+        # a sampled decision's (request, candidates, seconds spent, live policy's copy)
+        observed: list | None = None
         if self.shadow is not None and cache_aware and self.shadow.sampled():
-            t0 = time.perf_counter()
-            observed, live_copy = [], self.shadow.snapshot(policy)
-            shadow_s = time.perf_counter() - t0
+            observed = []
         if session and self.sessions is not None:
             pinned, outcome = await self._session_pin(session, pool)
             if outcome == "kept":
@@ -205,11 +203,7 @@ class RoutingCore:
             decision = await self._decide_here(inp, pool, policy, cache_aware, index_failed,
                                                observed)
         if observed and decision.reason in ("cache", "load"):
-            t0 = time.perf_counter()
-            req, candidates, read_s = observed[0]
-            decision.shadow = self.shadow.evaluate(req, candidates, decision, live_copy)
-            from router import metrics
-            metrics.inc("shadow_seconds", shadow_s + read_s + time.perf_counter() - t0)
+            self._shadow(decision, *observed[0])
         if session and self.sessions is not None and outcome != "kept":
             decision, outcome = await self._pin_session(inp, pool, session, decision, outcome,
                                                         cache_aware)
@@ -315,7 +309,8 @@ class RoutingCore:
                            observed: list | None = None) -> Decision:
         """The policy chooses in this process: index lookup (or this router's recent
         decisions when the index failed), loads, choice, reservation, predicted entries.
-        ``observed`` (a list) receives the (request, candidates, 0.0) it decided on."""
+        ``observed`` (a list) receives the (request, candidates, seconds, copy of the
+        policy just before it chose) of a sampled decision."""
         ids = [r.replica_id for r in pool]
         use_index = cache_aware and policy.uses_index
         matched: dict[str, int] = {}
@@ -331,8 +326,10 @@ class RoutingCore:
         loads = await self.load.loads(ids)
         candidates = self._candidates(pool, matched, loads)
         req = self._route_request(inp, pool)
-        if observed is not None:
-            observed.append((req, candidates, 0.0))
+        if observed is not None:  # the copy right before the policy draws or counts
+            t0 = time.perf_counter()
+            live_copy = self.shadow.snapshot(policy)
+            observed.append((req, candidates, time.perf_counter() - t0, live_copy))
         decision = policy.choose(req, candidates)
         policy.on_routed(req, decision.replica, self.load.clock.now())
         if index_failed:
@@ -344,6 +341,19 @@ class RoutingCore:
             chosen_info = next(r for r in pool if r.replica_id == chosen)
             await self.record(chosen, inp.block_hashes, self.predicted_ttl_s(chosen_info))
         return decision
+
+    def _shadow(self, decision: Decision, req: RouteRequest, candidates: list[Candidate],
+                spent_s: float, live_copy: Policy) -> None:
+        """Evaluate the shadow policies on a sampled decision (``router.routing.shadow``).
+        Never fails the decision: an error is logged and counted, and the decision stands."""
+        from router import metrics
+        t0 = time.perf_counter()
+        try:
+            decision.shadow = self.shadow.evaluate(req, candidates, decision, live_copy)
+        except Exception:  # noqa: BLE001 - an optional view must not cost the request
+            logger.exception("shadow evaluation failed; the decision stands")
+            metrics.inc("index_errors", tags={"op": "shadow"})
+        metrics.inc("shadow_seconds", spent_s + time.perf_counter() - t0)
 
     def _candidates(self, pool: Sequence[ReplicaInfo], matched: dict[str, int],
                     loads: dict[str, ReplicaLoad]) -> list[Candidate]:
@@ -365,14 +375,19 @@ class RoutingCore:
         self._outputs.append(output_tokens)
         self._outputs_sum += output_tokens
 
+    MIN_FINISHED = 20  # finished requests before the engines' ratio is trusted
+
     def expected_output_tokens(self, pool: Sequence[ReplicaInfo] = ()) -> float:
-        """The expected output length of a request (tokens): the mean of what the
-        replicas' engines report (``RoutingStats.mean_output_tokens``), else of this core's
-        last 1,000 completions (``observe_output``: the simulator), else 0."""
-        known = [r.stats.mean_output_tokens for r in pool
-                 if r.stats.mean_output_tokens is not None]
-        if known:
-            return sum(known) / len(known)
+        """The expected output length of a request (tokens): output tokens over finished
+        requests summed over the pool's engines (``RoutingStats.output_tokens_total /
+        requests_finished_total``) once they have finished ``MIN_FINISHED`` (a fresh
+        engine's only finished request is the 1-token hash probe, and the tokens of the
+        requests still decoding count above the line, not below it), else the mean of this
+        core's last 1,000 completions (``observe_output``: the simulator), else 0."""
+        tokens = sum(r.stats.output_tokens_total for r in pool)
+        finished = sum(r.stats.requests_finished_total for r in pool)
+        if finished >= self.MIN_FINISHED:
+            return tokens / finished
         return self._outputs_sum / len(self._outputs) if self._outputs else 0.0
 
     def _route_request(self, inp: RouteInput,
@@ -388,13 +403,15 @@ class RoutingCore:
         """The prefix_aware decision as one Redis script: several routers are serialised,
         so a burst does not pile onto one replica (``router.routing.atomic``). For a
         sampled decision (``observed``, a list) the loads are read just before the script,
-        and (request, candidates, seconds of that read) go to ``observed``."""
+        and (request, candidates, seconds of that read, copy of the policy just before it
+        draws its tie-break) go to ``observed``."""
         ids = [r.replica_id for r in pool]
         bs = self.hash_settings.block_size
-        before = None
+        before = live_copy = None
         if observed is not None:
             t0 = time.perf_counter()
             before = await self.load.loads(ids)
+            live_copy = self.shadow.snapshot(policy)  # right before the draw below
             read_s = time.perf_counter() - t0
         chosen, matched = await self.atomic.route(
             inp.request_id, inp.prompt_tokens, inp.block_hashes, ids,
@@ -409,7 +426,7 @@ class RoutingCore:
         self.index_available = True
         if before is not None:
             observed.append((self._route_request(inp, pool),
-                             self._candidates(pool, matched, before), read_s))
+                             self._candidates(pool, matched, before), read_s, live_copy))
         predicted = {r: cached_tokens(m, inp.prompt_tokens, bs) for r, m in matched.items()}
         rest = sorted((r for r in ids if r != chosen), key=lambda r: -predicted[r])
         return Decision([chosen] + rest, "cache" if predicted[chosen] > 0 else "load",

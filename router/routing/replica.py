@@ -103,9 +103,9 @@ class RoutingStats:
             the first report.
         restarts: times the replica restarted its engine.
         active_blocks: KV blocks of the requests in flight there (simulator only).
-        mean_output_tokens: output tokens per finished request over the engine's life
-            (``vllm:generation_tokens_total / vllm:request_success_total``), None before
-            any finished.
+        output_tokens_total / requests_finished_total: the engine's
+            ``vllm:generation_tokens_total`` and ``vllm:request_success_total`` (the
+            expected output length is their ratio over the fleet).
         scrape_error: why the last scrape of the engine's metrics failed.
     """
 
@@ -123,7 +123,8 @@ class RoutingStats:
     engine_alive: bool | None = None
     restarts: int | None = None
     active_blocks: int = 0
-    mean_output_tokens: float | None = None
+    output_tokens_total: float = 0.0
+    requests_finished_total: float = 0.0
     scrape_error: str | None = None
 
     @classmethod

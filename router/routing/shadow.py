@@ -3,12 +3,15 @@
 For a sample of the live decisions (``Settings.shadow_sample_rate``), each policy of
 ``Settings.shadow_policies`` chooses on the same state the live decision saw: the index's
 match per candidate (the one lookup or route script of the decision) and the candidates'
-loads (read just before the decision, so without this request's reservation). Its figure is
+loads (read just before the decision, so without this request's reservation; when Serve
+asks again for a request already reserved, that earlier reservation is still in them). Its figure is
 the cached tokens its choice holds for the request, ``cached_tokens(matched[choice])``; the
 live decision's figure is its own prediction. The live policy is evaluated too, as a copy
 taken just before it decided (same random state, same counters): its shadow choice equals
 the live one unless another router changed the loads between the read and the decision, so
 it also checks online that the Redis script and the Python rule agree.
+
+A configured shadow policy with the live policy's name is that copy (one figure per name).
 
 It is a one-step counterfactual: each alternative is judged on the state the live policy
 created by its earlier choices, not on the state the alternative would have built had it
