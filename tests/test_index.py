@@ -199,3 +199,10 @@ async def test_exact_entry_count_per_replica(index):
     await index.apply_events("B", [stored(1)])
     assert await index.exact_entry_count("A") == 3
     assert await index.exact_entry_count("C") == 0
+
+
+async def test_a_prompt_longer_than_luas_unpack_limit_is_recorded_and_matched(index):
+    """20,000 blocks (320k tokens at block 16): past the ~8,000 values one Lua unpack takes."""
+    hashes = list(range(1, 20001))
+    await index.record_predicted("A", hashes, ttl_s=60)
+    assert (await index.lookup(hashes, ["A", "B"])) == {"A": 20000, "B": 0}

@@ -10,7 +10,12 @@ local hs = {}
 local packed = ARGV[4]
 for i = 1, #packed, 8 do hs[#hs + 1] = string.sub(packed, i, i + 7) end
 if #hs > 0 then
-  local old = redis.call('HMGET', key, unpack(hs))
+  -- read in chunks: unpack takes at most about 8,000 values (a 128k-token prompt at block 16)
+  local old = {}
+  for c = 1, #hs, 1024 do
+    local part = redis.call('HMGET', key, unpack(hs, c, math.min(c + 1023, #hs)))
+    for k = 1, #part do old[c + k - 1] = part[k] end
+  end
   local args = {}
   for k = 1, #hs do
     local o = tonumber(old[k])
