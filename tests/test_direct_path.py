@@ -75,3 +75,40 @@ async def test_two_broken_bodies_get_an_openai_502_not_a_500(core):
     err = json.loads(r.body)["error"]
     assert err["code"] == 502 and "ReadError" in err["message"]
     assert all(v.inflight == 0 for v in (await core.load.loads(["a", "b"])).values())
+
+
+async def test_a_stream_whose_answer_loses_its_cancellation_still_releases_its_load(
+        core, monkeypatch):
+    """The client leaves while its streaming request waits; the answer task loses the
+    cancellation (as ``asyncio.wait_for`` loses one on Python 3.11, python/cpython#86296)
+    and goes on to route, reserve and open the engine call. Nobody sends its response, so
+    the ingress closes it: the load returns to 0 (CI once kept such a lease forever)."""
+    import asyncio
+
+    admit, entered, calls = core.admission.admit, asyncio.Event(), []
+
+    async def stubborn_admit(*args, **kwargs):
+        entered.set()
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            pass  # lost
+        return await admit(*args, **kwargs)
+
+    monkeypatch.setattr(core.admission, "admit", stubborn_admit)
+    core._engine_client = httpx.AsyncClient(transport=httpx.MockTransport(
+        lambda request: calls.append(request.url.host) or _engine(request)))
+    body = json.dumps({"model": "tiny-qwen2", "prompt": "hello there", "max_tokens": 1,
+                       "stream": True}).encode()
+    task = asyncio.ensure_future(core.handle(COMPLETIONS_PATH, body, 0.0))
+    await entered.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    for _ in range(200):
+        loads = await core.load.loads(["a", "b"])
+        if calls and all(v.inflight == 0 for v in loads.values()):
+            break
+        await asyncio.sleep(0.01)
+    assert calls, "the answer went on to the engine"
+    assert all(v.inflight == 0 for v in loads.values()), loads

@@ -112,3 +112,58 @@ async def test_a_client_that_leaves_during_keep_alives_cancels_the_answer(spec):
         pass  # how a 2.4 server's response call ends when its client left
     assert started.is_set() and app.tasks[0].cancelled()
     assert any(m.get("body") == KEEPALIVE for m in sent)
+
+
+class _Dispatch:
+    """Stands in for an ``Attempt`` only as far as ``end_answer`` reads it: ``close``."""
+
+    def __init__(self):
+        self.closed = 0
+
+    async def close(self):
+        self.closed += 1
+
+
+def _stubborn_answer(dispatch, started: asyncio.Event):
+    """An answer whose cancellation is lost (as ``asyncio.wait_for`` loses one on Python
+    3.11, python/cpython#86296): it goes on and returns a response nobody will send."""
+    async def answer():
+        started.set()
+        try:
+            await asyncio.sleep(5)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.05)  # it goes on routing and dispatching
+        resp = StreamingResponse(iter([b"data: [DONE]\n\n"]))
+        resp.dispatch = dispatch
+        return resp
+    return answer
+
+
+async def test_an_abandoned_answer_that_loses_its_cancellation_still_closes_its_dispatch():
+    from router.serve.dispatch import _ABANDONED, abandon
+
+    dispatch, started = _Dispatch(), asyncio.Event()
+    task = asyncio.ensure_future(_stubborn_answer(dispatch, started)())
+    await started.wait()
+    abandon(task)
+    assert _ABANDONED  # the reaper is held until it is done
+    await asyncio.wait_for(task, 2)
+    for _ in range(50):
+        if dispatch.closed:
+            break
+        await asyncio.sleep(0.01)
+    assert dispatch.closed == 1 and not _ABANDONED
+
+
+async def test_end_answer_does_not_close_what_a_cancelled_or_failed_answer_left():
+    from router.serve.dispatch import end_answer
+
+    async def fails():
+        raise RuntimeError("boom")
+
+    failed = asyncio.ensure_future(fails())
+    await asyncio.sleep(0)
+    assert await end_answer(failed) is None
+    pending = asyncio.ensure_future(asyncio.sleep(5))
+    assert await end_answer(pending) is None and pending.cancelled()
+

@@ -55,14 +55,22 @@ class RedisConnections:
         self._clients: dict[tuple[int, float], aioredis.Redis] = {}
 
     def client(self, timeout_s: float | None = None) -> aioredis.Redis:
-        """This event loop's client whose socket timeout is ``timeout_s`` (default: the
-        routing bound)."""
+        """This event loop's client whose connect timeout is ``timeout_s`` (default: the
+        routing bound).
+
+        It has no socket timeout: each call is bounded by ``call``'s ``asyncio.timeout``
+        instead. With a socket timeout, redis-py sends every command under
+        ``asyncio.wait_for``, and on Python 3.11 ``wait_for`` returns the result of a send
+        that finished as the caller was cancelled, swallowing the cancellation
+        (python/cpython#86296, fixed in 3.12): a request whose client had left went on to
+        reserve a replica and open an engine call that nobody would close.
+        """
         t = timeout_s or self.timeout_s
         key = (id(asyncio.get_running_loop()), t)
         c = self._clients.get(key)
         if c is None:
             c = aioredis.Redis.from_url(
-                self.url, socket_timeout=t, socket_connect_timeout=t,
+                self.url, socket_timeout=None, socket_connect_timeout=t,
                 retry_on_timeout=False, health_check_interval=0, decode_responses=False,
                 **self.connection_kwargs)
             self._clients[key] = c
@@ -209,7 +217,8 @@ class RedisPrefixIndex(PrefixIndex):
                 n += await client.delete(key)
             return n
 
-        await asyncio.wait_for(run(self.conn.client()), 30)
+        async with asyncio.timeout(30):
+            await run(self.conn.client())
 
     async def close(self) -> None:
         await self.conn.close()

@@ -180,8 +180,9 @@ class EventFeed:
     async def _writer(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=1.0)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(1.0):
+                    await self._wake.wait()
+            except TimeoutError:
                 pass
             self._wake.clear()
             if len(self.pending) < self.max_pending_events:

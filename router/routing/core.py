@@ -493,6 +493,21 @@ class RoutingCore:
             self.on_index_error(exc, op)
 
 
+_RELEASING: set = set()  # releases still running (the event loop keeps only weak refs)
+
+
+def release_soon(load: LoadTracker, request_id: str):
+    """Release ``request_id``'s reservation in a task of its own, which a cancellation of
+    the caller cannot stop half-way; returns the task (await it through
+    ``asyncio.shield`` to wait for it)."""
+    import asyncio
+
+    task = asyncio.get_running_loop().create_task(load.release(request_id))
+    _RELEASING.add(task)
+    task.add_done_callback(_RELEASING.discard)
+    return task
+
+
 def _admission():
     """This process's admission queue (``router.serve.admission``), if an ingress runs here."""
     from router.serve import state
@@ -530,10 +545,10 @@ async def route_request(core: RoutingCore, req, replicas: Sequence[ReplicaInfo],
                                      pool, cacheable=bool(req.block_hashes), policy=policy,
                                      session=req.session_key, adapter=req.lora_name)
     except BaseException:  # cancelled mid-decision: a reservation may exist; drop it
-        asyncio.get_running_loop().create_task(core.load.release(req.request_id))
+        release_soon(core.load, req.request_id)
         raise
     if req.closed:  # the ingress is done with it already (client gone)
-        await core.load.release(req.request_id)
+        await asyncio.shield(release_soon(core.load, req.request_id))
     admission = _admission()
     if admission is not None:  # the reservation now counts in the load: the hold ends
         admission.reserved(req.request_id)

@@ -190,7 +190,8 @@ class Admission:
         if self._head_task is None or self._head_task.done():
             self._head_task = loop.create_task(self._serve_queue(replicas))
         try:
-            await asyncio.wait_for(asyncio.shield(turn), timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: see RedisConnections.client
+                await asyncio.shield(turn)
         except TimeoutError:
             if turn.done() and not turn.cancelled():  # admitted at the last moment
                 return time.monotonic() - t0
@@ -253,7 +254,8 @@ class Admission:
                 continue
             self._wake.clear()
             try:
-                await asyncio.wait_for(self._wake.wait(), self.poll_s)
+                async with asyncio.timeout(self.poll_s):
+                    await self._wake.wait()
             except TimeoutError:
                 pass
 

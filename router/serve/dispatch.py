@@ -15,7 +15,7 @@ import json
 import time
 from typing import TYPE_CHECKING, AsyncIterator
 
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from router import metrics
 from router.logs import get_logger
@@ -332,6 +332,41 @@ def sse_error_event(body: bytes | dict) -> bytes:
     return b"data: " + data.strip() + b"\n\ndata: [DONE]\n\n"
 
 
+_ABANDONED: set[asyncio.Task] = set()  # reapers still running (the loop keeps weak refs)
+
+
+async def end_answer(answer: asyncio.Future) -> Response | None:
+    """Cancel ``answer`` (a task that admits, routes and dispatches a request and returns the
+    response to send) if it is still running, wait for it to end, and close the dispatch
+    of a streaming response it returned; returns that response, or None when it ended
+    in an exception or cancelled.
+
+    A cancelled answer can still return its response: a cancellation that arrives as an
+    inner future completes is lost on Python 3.11 (``asyncio.wait_for``,
+    python/cpython#86296), and the answer goes on to reserve a replica and open an engine
+    call. Nobody sends that response, so its dispatch is closed here: the reservation is
+    released and the engine aborts the request.
+    """
+    if not answer.done():
+        answer.cancel()
+        await asyncio.wait({answer})  # never cancels it further; our own cancel propagates
+    if answer.cancelled() or answer.exception() is not None:
+        return None
+    resp = answer.result()
+    dispatch = getattr(resp, "dispatch", None)
+    if dispatch is not None:
+        await dispatch.close()
+    return resp
+
+
+def abandon(answer: asyncio.Future) -> None:
+    """The client left while ``answer`` ran (see ``end_answer``): cancel it and, in the
+    background, close whatever it still returns."""
+    reaper = asyncio.ensure_future(end_answer(answer))
+    _ABANDONED.add(reaper)
+    reaper.add_done_callback(_ABANDONED.discard)
+
+
 class KeepAliveStreamingResponse(StreamingResponse):
     """A streaming request's 200 sent before its answer exists, to keep idle proxies from
     cutting the connection while the request waits (``Settings.sse_keepalive_s``).
@@ -385,15 +420,4 @@ class KeepAliveStreamingResponse(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            if not self.answer.done():
-                self.answer.cancel()
-                try:
-                    await self.answer
-                except BaseException:  # noqa: BLE001 - cancelled or failed: it is over
-                    pass
-            inner = self.inner if self.inner is not None else (
-                self.answer.result() if self.answer.done() and not self.answer.cancelled()
-                and self.answer.exception() is None else None)
-            dispatch = getattr(inner, "dispatch", None)
-            if dispatch is not None:
-                await dispatch.close()
+            await end_answer(self.answer)

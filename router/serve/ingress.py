@@ -50,6 +50,7 @@ from router.serve.dispatch import (
     GuardedStreamingResponse,
     KeepAliveStreamingResponse,
     ServeAttempt,
+    abandon,
 )
 from router.serve.errors import OpenAIError, bad_request, invalid_body, no_replicas
 from router.serve.protocol import HOP_HEADERS, ReplicaHead, RoutedRequest, route_label
@@ -345,7 +346,7 @@ class IngressCore:
         try:
             done, _ = await asyncio.wait({answer}, timeout=interval)
         except asyncio.CancelledError:
-            answer.cancel()
+            abandon(answer)  # it may still return a response (end_answer): closed then
             raise
         if done:
             return answer.result()
