@@ -119,6 +119,15 @@ class EngineReplica:
         await self._scrape()
         return self.stats.to_dict()
 
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom-metrics hook (with ``Settings.autoscaling_config``): this
+        replica's engine's requests running and waiting, scraped now
+        (``router.serve.autoscaling``); the last scrape's when this one fails."""
+        from router.serve.autoscaling import ENGINE_REQUESTS
+
+        await self._scrape()
+        return {ENGINE_REQUESTS: float(self.stats.running + self.stats.waiting)}
+
     async def check_health(self) -> None:
         if self.failed:
             raise RuntimeError(f"engine of replica {self.replica_id} is dead after "
@@ -267,14 +276,56 @@ class EngineReplica:
                 logger.error("restart %d of replica %s failed: %s", self.restarts,
                              self.replica_id, exc)
 
+    async def drain(self, timeout_s: float, quiet_s: float = 2.0, poll_s: float = 0.2) -> bool:
+        """Wait until the engine is done with what it serves: no request running or
+        waiting, and none finished, for ``quiet_s`` seconds in a row (a request that came
+        and went between two scrapes moves the finished count). Serve has already waited
+        for the requests of its own handle path; the direct path's go to the engine itself,
+        and a router sends none once Serve's replica update has told it this replica is
+        stopping.
+
+        Returns:
+            True when the engine went quiet (or is not running), False after ``timeout_s``.
+        """
+        deadline = time.monotonic() + timeout_s
+        quiet_since, finished = None, None
+        while time.monotonic() < deadline:
+            if getattr(self, "engine", None) is None or not self.engine.alive():
+                return True
+            await self._scrape()
+            st = self.stats
+            now = time.monotonic()
+            busy = st.scrape_error is not None or st.running + st.waiting > 0 \
+                or st.requests_finished_total != finished
+            finished = st.requests_finished_total
+            if busy:
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = now
+            elif now - quiet_since >= quiet_s:
+                return True
+            await asyncio.sleep(poll_s)
+        return False
+
     async def __del__(self):
         await self.shutdown()
 
     async def shutdown(self) -> None:
-        """Stop the engine and the event feed, then remove this replica's entries from the
-        shared index: the routers purge a replica that leaves, but its feed, still running
+        """Drain the engine (``drain``, at most ``Settings.drain_timeout_s``), stop it and
+        the event feed, then remove this replica's entries from the shared index and its
+        load fields: the routers purge a replica that leaves, but its feed, still running
         during Serve's graceful shutdown, would take that purge for a lost index and
         rebuild the entries from its record; this last write wins."""
+        if getattr(self, "client", None) is not None and getattr(self, "engine", None):
+            t0 = time.monotonic()
+            if await self.drain(self.settings.drain_timeout_s):
+                logger.info("replica %s drained in %.1f s", self.replica_id,
+                            time.monotonic() - t0)
+            else:
+                logger.warning("replica %s: its engine still served requests after "
+                               "drain_timeout_s (%.0f s); stopping it anyway (running %d, "
+                               "waiting %d)", self.replica_id, self.settings.drain_timeout_s,
+                               self.stats.running, self.stats.waiting)
         if getattr(self, "_monitor", None):
             self._monitor.cancel()
         if getattr(self, "feed", None):
@@ -282,6 +333,10 @@ class EngineReplica:
         if getattr(self, "index", None) is not None:
             try:
                 await self.index.remove_replica(self.replica_id)
+                # its load fields and any lease left of its requests (all are over now)
+                from router.load.redis import RedisLoadTracker
+                await RedisLoadTracker(self.index.conn, self.settings.index_namespace
+                                       ).remove_replica(self.replica_id)
             except IndexUnavailable:
                 logger.warning("replica %s could not remove its index entries (Redis "
                                "unavailable); the routers purge them when it leaves",

@@ -196,7 +196,7 @@ class Ingress:
         n = state.replica_count()
         alive = sum(1 for i in state.replica_infos() or ()
                     if i.stats.engine_alive)
-        configured = self.settings.num_replicas
+        configured = self.settings.configured_replicas
         ready = n is not None and alive >= configured
         status = ("starting" if n is None else "no replicas" if n == 0 else
                   "ok" if ready else "degraded")
@@ -234,14 +234,90 @@ class Ingress:
         running = list(rr.curr_replicas.values()) if rr is not None else []
         hs = self.settings.hash_settings
         health = state.replica_health()
+        drained = await state.make_drains(self.settings).refresh()
         out = []
         for r in sorted(running, key=lambda r: r.replica_id.unique_id):
             md = dict(r.replica_metadata or {})
             out.append({"replica_id": r.replica_id.unique_id, "metadata": md,
                         "routing_stats": dict(r.routing_stats or {}),
                         "circuit_open": health.is_open(r.replica_id.unique_id),
+                        "drained": r.replica_id.unique_id in drained,
                         "hash_mismatch": hash_mismatches(hs, ReplicaMetadata.from_dict(md))})
         return JSONResponse({"replicas": out})
+
+    @fastapi_app.post("/admin/replicas/{replica_id}/drain")
+    async def drain(self, replica_id: str, request: Request) -> Response:
+        """Drain a replica (an admin key's, with keys): from every router's next decision
+        on (within a second) it takes no new request unless no other replica is left; its
+        requests in flight finish. ``router.routing.drain``."""
+        return await self._set_drained(replica_id, request, True)
+
+    @fastapi_app.post("/admin/replicas/{replica_id}/undrain")
+    async def undrain(self, replica_id: str, request: Request) -> Response:
+        """Undo ``drain``: the replica takes requests again."""
+        return await self._set_drained(replica_id, request, False)
+
+    async def _set_drained(self, replica_id: str, request: Request,
+                           drained: bool) -> Response:
+        """Raises: OpenAIError 404 for a replica the router does not know, 503 when Redis
+        did not take the change (nothing changed)."""
+        from router.index.base import IndexUnavailable
+
+        self.keys.authorize_admin(request.headers.get("authorization"))
+        if replica_id not in (state.peek("replica_ids") or ()):
+            raise OpenAIError(404, f"no engine replica {replica_id!r} (GET /replicas lists "
+                                   "them)", "NotFoundError", "replica_id")
+        drains = state.make_drains(self.settings)
+        try:
+            now = await drains.set(replica_id, drained)
+        except IndexUnavailable as exc:
+            raise OpenAIError(503, f"the drained set was not changed: {exc}",
+                              "ServiceUnavailableError") from None
+        logger.warning("replica %s %s by an operator", replica_id,
+                       "drained" if drained else "undrained")
+        body: dict[str, Any] = {"replica_id": replica_id, "drained": drained,
+                                "drained_replicas": sorted(now), "shared": drains.shared}
+        if not drains.shared and self.settings.ingress_replicas > 1:
+            body["warning"] = ("without redis_url each ingress process keeps its own drained "
+                               "set: this call reached one of "
+                               f"{self.settings.ingress_replicas}")
+        return JSONResponse(body)
+
+    @fastapi_app.post("/admin/explain")
+    async def explain(self, request: Request, route: str = "chat") -> Response:
+        """Why a request would go where it goes (an admin key's, with keys): the body is an
+        inference request's (``route``: ``chat`` for /v1/chat/completions, ``completions``
+        for /v1/completions), hashed as the calling key's tenant's would be; the answer is
+        ``RoutingCore.explain``'s (candidates best first with their matched blocks, loads
+        and costs, the choice), with nothing reserved or written. The policy is the
+        ``x-routing-policy`` header's (with ``allow_policy_override``) or the default.
+
+        Raises:
+            OpenAIError: 400 for another ``route`` or a malformed body, 503 with no replica
+                or when the index cannot be read.
+        """
+        from router.index.base import IndexUnavailable
+        from router.serve.errors import bad_request
+
+        tenant = self.keys.authorize_admin(request.headers.get("authorization"))
+        paths = {"chat": CHAT_PATH, "completions": COMPLETIONS_PATH}
+        if route not in paths:
+            raise bad_request("route must be 'chat' or 'completions'", "route")
+        require_json(request.headers.get("content-type"))
+        policy_name = request.headers.get("x-routing-policy")
+        self.core.check_policy(policy_name)
+        raw = await _read_body(request, self.settings.max_body_bytes)
+        req = await self.core.prepare(paths[route], raw, policy_name, tenant)
+        infos = await self.core.replica_set()
+        core = self.core.routing_core()
+        try:
+            out = await core.explain(req.prompt_tokens, req.block_hashes, infos,
+                                     self.core.policies.get(policy_name),
+                                     cacheable=bool(req.block_hashes))
+        except IndexUnavailable as exc:
+            raise OpenAIError(503, f"the index could not be read: {exc}",
+                              "ServiceUnavailableError") from None
+        return JSONResponse(out)
 
     @fastapi_app.get("/metrics")
     async def metrics_text(self, request: Request) -> Response:
@@ -260,8 +336,12 @@ def engine_deployment(settings: Settings):
     resources: dict[str, Any] = {"num_cpus": settings.replica_num_cpus}
     if settings.replica_num_gpus:
         resources["num_gpus"] = settings.replica_num_gpus
-    if settings.num_replicas > 0:
-        scale: dict[str, Any] = {"num_replicas": settings.num_replicas}
+    if settings.autoscaling_config is not None:  # Serve's autoscaler, on the engines' load
+        from router.serve.autoscaling import engine_autoscaling_config
+        scale: dict[str, Any] = {
+            "autoscaling_config": engine_autoscaling_config(settings.autoscaling_config)}
+    elif settings.num_replicas > 0:
+        scale = {"num_replicas": settings.num_replicas}
     else:  # Serve refuses num_replicas=0; an autoscaler pinned at zero is the same thing
         scale = {"autoscaling_config": {"min_replicas": 0, "initial_replicas": 0,
                                         "max_replicas": 1, "upscale_delay_s": 3600}}
@@ -271,7 +351,7 @@ def engine_deployment(settings: Settings):
         max_ongoing_requests=settings.max_ongoing_requests,
         health_check_period_s=5,
         health_check_timeout_s=30,
-        graceful_shutdown_timeout_s=20,
+        graceful_shutdown_timeout_s=settings.drain_timeout_s + 30,  # the drain, then the stop
         request_router_config=RequestRouterConfig(
             request_router_class="router.serve.request_router:PrefixCacheRequestRouter",
             request_router_kwargs={"settings": settings.dump()},
@@ -304,7 +384,7 @@ def build_app(args: dict[str, Any] | None = None):
     return Ingress.options(
         num_replicas=settings.ingress_replicas,
         ray_actor_options={"num_cpus": settings.ingress_num_cpus},
-        max_ongoing_requests=max(settings.max_ongoing_requests * max(settings.num_replicas, 1),
+        max_ongoing_requests=max(settings.max_ongoing_requests * max(settings.most_replicas, 1),
                                  100),
     ).bind(settings.dump(), engines)
 

@@ -128,6 +128,21 @@ class Settings(BaseSettings):
     num_replicas: int = Field(2, ge=0, description="Engine replicas.")
     replica_num_cpus: float = Field(0.5, ge=0, description="Ray logical CPUs per replica.")
     replica_num_gpus: float = Field(0.0, ge=0, description="GPUs per replica (GPU machines).")
+    autoscaling_config: Optional[dict[str, Any]] = Field(
+        None, description="Ray Serve's autoscaling_config of the engine deployment (its own "
+                          "keys: min_replicas, max_replicas, initial_replicas, "
+                          "target_ongoing_requests, upscale_delay_s, downscale_delay_s, "
+                          "...); replaces num_replicas. Unless it names a policy, the "
+                          "load it scales on is the engines' own requests running and "
+                          "waiting (router.serve.autoscaling), which every data path "
+                          "fills. None: a fixed num_replicas.")
+    drain_timeout_s: float = Field(
+        60.0, ge=0, description="On scale-in and on stop, a replica first lets its engine "
+                                "finish what it serves: it waits until the engine has had "
+                                "no request running or waiting, and finished none, for 2 s "
+                                "(the routers stop sending to a stopping replica once Serve "
+                                "tells them), at most this long, then stops it. Serve's "
+                                "graceful_shutdown_timeout_s is this plus 30 s.")
     ingress_replicas: int = Field(1, ge=1, description="Ingress (router) processes.")
     ingress_num_cpus: float = Field(0.25, ge=0, description="Ray logical CPUs per ingress.")
     max_ongoing_requests: int = Field(
@@ -331,6 +346,29 @@ class Settings(BaseSettings):
             raise ValueError("block_size must be positive")
         return v
 
+    @field_validator("autoscaling_config")
+    @classmethod
+    def _autoscaling_config_valid(cls, v: Optional[dict[str, Any]]):
+        if v is not None:  # Serve's own model: its error names the bad key
+            from router.serve.autoscaling import engine_autoscaling_config
+            engine_autoscaling_config(v)
+        return v
+
+    @property
+    def configured_replicas(self) -> int:
+        """The replicas the service is ready with: ``num_replicas``, or with autoscaling
+        its ``min_replicas`` (at least 1: a fleet scaled to zero wakes on a request)."""
+        if self.autoscaling_config is None:
+            return self.num_replicas
+        return max(int(self.autoscaling_config.get("min_replicas", 1)), 1)
+
+    @property
+    def most_replicas(self) -> int:
+        """The most engine replicas there can be: ``num_replicas``, or ``max_replicas``."""
+        if self.autoscaling_config is None:
+            return self.num_replicas
+        return int(self.autoscaling_config.get("max_replicas", 1))
+
     @model_validator(mode="after")
     def _defaults_from_model(self) -> "Settings":
         # A relative directory is the caller's (serve run's working directory): made absolute
@@ -355,6 +393,9 @@ class Settings(BaseSettings):
                 a.path = str(Path(a.path).resolve())
         if self.tokenizer is None:
             self.tokenizer = self.model
+        if self.autoscaling_config is not None and "num_replicas" in self.model_fields_set:
+            raise ValueError("give num_replicas or autoscaling_config, not both: with "
+                             "autoscaling, min_replicas and max_replicas bound the fleet")
         return self
 
     @property

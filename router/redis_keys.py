@@ -57,6 +57,7 @@ class RedisKeys:
         self.replicas = f"{namespace}:replicas"
         self.router_prefix = f"{namespace}:router:"
         self.session_prefix = f"{namespace}:session:"  # + session digest: its replica
+        self.drained = f"{namespace}:drained"  # set of the replicas an operator drained
 
     def exact(self, replica: str) -> str:
         """The replica's exact entries (block hash -> copies)."""

@@ -77,11 +77,12 @@ class RoutingCore:
             this index and load tracker, where both are in one Redis; None otherwise.
         sessions: the session pins (``router.routing.sessions``), or None (no affinity).
         shadow: the shadow evaluation (``router.routing.shadow.ShadowEvaluator``), or None.
+        drains: the replicas an operator drained (``router.routing.drain``), or None.
     """
 
     def __init__(self, settings: Settings, index: PrefixIndex, load: LoadTracker,
                  policy: Policy, on_index_error=None, health=None, atomic=None,
-                 sessions=None, shadow=None):
+                 sessions=None, shadow=None, drains=None):
         self.settings = settings
         self.health = health
         self.hash_settings: HashSettings = settings.hash_settings
@@ -92,6 +93,7 @@ class RoutingCore:
         self.atomic = atomic
         self.sessions = sessions
         self.shadow = shadow
+        self.drains = drains
         self.index_available = True
         self.recent = RecentDecisions(load.clock)
         self._outputs: collections.deque[int] = collections.deque(maxlen=1000)
@@ -100,9 +102,12 @@ class RoutingCore:
         self._restarts_seen: dict[str, int] = {}
 
     def usable(self, replica: ReplicaInfo) -> bool:
-        """Not known dead (its engine reported down, or its circuit is open). A replica
-        whose engine was restarted since its failures starts with a closed circuit."""
+        """Not drained by an operator, and not known dead (its engine reported down, or its
+        circuit is open). A replica whose engine was restarted since its failures starts
+        with a closed circuit."""
         if replica.stats.engine_alive is False:
+            return False
+        if self.drains is not None and replica.replica_id in self.drains.current():
             return False
         if self.health is None:
             return True
@@ -167,6 +172,8 @@ class RoutingCore:
         """
         inp = RouteInput(request_id, prompt_tokens, block_hashes, cacheable, text,
                          first_user_text, session)
+        if self.drains is not None:
+            await self.drains.refresh()  # at most one read a second
         policy = policy or self.policy
         if adapter is not None:
             replicas = [r for r in replicas if adapter in r.metadata.lora_adapters] \
@@ -355,6 +362,65 @@ class RoutingCore:
             metrics.inc("index_errors", tags={"op": "shadow"})
         metrics.inc("shadow_seconds", spent_s + time.perf_counter() - t0)
 
+    async def explain(self, prompt_tokens: int, block_hashes: Sequence[int],
+                      replicas: Sequence[ReplicaInfo], policy: Policy | None = None,
+                      cacheable: bool = True, text: str = "",
+                      first_user_text: str = "") -> dict:
+        """What a decision of this request would see and choose now, with nothing reserved
+        or written: the operator's "why did it go there" (``POST /admin/explain``).
+
+        The policy decides on a copy of itself (its counters and random draws are left as
+        they are), over the index's match and the loads read now; an atomic Redis decision
+        runs the same rule in its script (checked against Python in tests).
+
+        Returns:
+            ``{"policy", "choice", "reason", "prompt_tokens", "blocks", "candidates": [{
+            "replica", "usable", "drained", "compatible", "matched_blocks",
+            "predicted_cached_tokens", "inflight", "prefill_tokens_queued",
+            "expected_ttft_s", "cost_s" (prefix_aware only)}]}``, candidates best first.
+        Raises:
+            IndexUnavailable: the index or the load could not be read.
+        """
+        import copy
+
+        policy = policy or self.policy
+        if self.drains is not None:
+            await self.drains.refresh()
+        usable = [r for r in replicas if self.usable(r)] or list(replicas)
+        compatible = [r for r in usable if self.compatible(r)]
+        pool = compatible or usable
+        ids = [r.replica_id for r in pool]
+        cache_aware = bool(block_hashes) and cacheable and bool(compatible)
+        matched = await self.index.lookup(block_hashes, ids) \
+            if cache_aware and policy.uses_index else {}
+        loads = await self.load.loads(ids)
+        inp = RouteInput("explain", prompt_tokens, block_hashes, cacheable, text,
+                         first_user_text)
+        req = self._route_request(inp, pool)
+        candidates = self._candidates(pool, matched, loads)
+        decision = copy.deepcopy(policy).choose(req, candidates)
+        cost = getattr(policy, "cost_s", None)
+        by_id = {c.replica: c for c in candidates}
+        drained = self.drains.current() if self.drains is not None else frozenset()
+        rows = []
+        for rid in decision.ranked + [r.replica_id for r in replicas
+                                      if r.replica_id not in decision.ranked]:
+            c = by_id.get(rid)
+            info = next(r for r in replicas if r.replica_id == rid)
+            row = {"replica": rid, "usable": self.usable(info), "drained": rid in drained,
+                   "compatible": self.compatible(info),
+                   "matched_blocks": c.matched_blocks if c else None,
+                   "predicted_cached_tokens": decision.predicted_cached_tokens.get(rid),
+                   "inflight": c.load.inflight if c else None,
+                   "prefill_tokens_queued": c.load.prefill_tokens if c else None,
+                   "expected_ttft_s": decision.expected_ttft_s.get(rid)}
+            if cost is not None and c is not None:
+                row["cost_s"] = cost(req, c)
+            rows.append(row)
+        return {"policy": policy.name, "choice": decision.replica, "reason": decision.reason,
+                "prompt_tokens": prompt_tokens, "blocks": len(block_hashes),
+                "candidates": rows}
+
     def _candidates(self, pool: Sequence[ReplicaInfo], matched: dict[str, int],
                     loads: dict[str, ReplicaLoad]) -> list[Candidate]:
         """What the policy sees of each replica of ``pool``: its match (blocks), its load,
@@ -481,6 +547,8 @@ class RoutingCore:
             self._index_error(exc, "remove_replica")
         await self.load.remove_replica(replica)
         self.recent.remove_replica(replica)
+        if self.drains is not None:
+            await self.drains.forget(replica)
         if self.health is not None:
             self.health.forget(replica)
 

@@ -374,11 +374,12 @@ class IngressCore:
         raise AssertionError("unreachable: the second attempt always returns")
 
     def _usable_replica_ids(self) -> list[str]:
-        """The replicas admission counts slots on: those whose engine is up and whose
-        circuit is closed (all of them when none is)."""
+        """The replicas admission counts slots on: those whose engine is up, whose circuit
+        is closed and that are not drained (all of them when none is)."""
         infos = state.replica_infos() or ()
+        drained = state.make_drains(self.settings).current()
         up = [i.replica_id for i in infos if i.stats.engine_alive is not False
-              and self.health.available(i.replica_id)]
+              and self.health.available(i.replica_id) and i.replica_id not in drained]
         return up or [i.replica_id for i in infos]
 
     async def _outcome(self, dispatch: Attempt, head: ReplicaHead, body: bytes | None,

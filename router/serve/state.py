@@ -106,7 +106,20 @@ def make_routing_core(settings: Settings, policy):
     index, load = make_index(settings), make_load_tracker(settings)
     return RoutingCore(settings, index, load, policy, on_index_error=index_error,
                        health=replica_health(), atomic=make_atomic_route(settings, index, load),
-                       sessions=make_session_store(settings), shadow=make_shadow(settings))
+                       sessions=make_session_store(settings), shadow=make_shadow(settings),
+                       drains=make_drains(settings))
+
+
+def make_drains(settings: Settings):
+    """The process's drained replicas (``router.routing.drain``): in Redis when
+    ``redis_url`` is set (every router's), else this process's."""
+    from router.routing.drain import DrainedReplicas
+
+    if settings.redis_url:
+        return shared(f"drains:{settings.redis_url}:{settings.index_namespace}",
+                      lambda: DrainedReplicas(redis_connections(settings),
+                                              settings.index_namespace))
+    return shared(f"drains:{settings.index_namespace}", DrainedReplicas)
 
 
 def make_shadow(settings: Settings):
