@@ -454,8 +454,11 @@ class Settings(BaseSettings):
         return out
 
     def dump(self) -> dict[str, Any]:
-        """JSON-serialisable dict of every field (to pass to other processes)."""
-        return self.model_dump(mode="json")
+        """JSON-serialisable dict of every field (to pass to other processes); with
+        autoscaling, without ``num_replicas`` (it does not apply, and given back it would be
+        refused beside ``autoscaling_config``)."""
+        exclude = {"num_replicas"} if self.autoscaling_config is not None else None
+        return self.model_dump(mode="json", exclude=exclude)
 
     def redacted(self) -> dict[str, Any]:
         """``dump()`` with secrets masked, for logs and the operator endpoints: the

@@ -79,6 +79,7 @@ def test_serve_applies_the_configs_delays_around_the_policy():
 def test_autoscaling_settings_are_checked_and_replace_num_replicas():
     s = Settings(autoscaling_config={"min_replicas": 2, "max_replicas": 5})
     assert s.configured_replicas == 2 and s.most_replicas == 5
+    assert Settings(**s.dump()).autoscaling_config == s.autoscaling_config  # to replicas
     assert Settings(num_replicas=3).configured_replicas == 3
     with pytest.raises(ValueError, match="unknown keys"):
         Settings(autoscaling_config={"max_replica": 3})

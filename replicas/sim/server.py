@@ -77,6 +77,9 @@ class _ClientGone(Exception):
     """The client of a non-streaming request disconnected while it was generated."""
 
 
+_SHUT_DOWN = -1  # put in a stream's queue when the engine shuts down with it unfinished
+
+
 class _Stream:
     """Per-request queue of (token id | None at the end) filled by the engine loop."""
 
@@ -207,6 +210,14 @@ class SimServer:
         self._wake.set()
         return stream
 
+    def abort_all(self) -> int:
+        """vLLM's shutdown with ``--shutdown-timeout 0`` (its default: "abort" mode): every
+        unfinished request is aborted, and its stream breaks off. Returns how many."""
+        streams = list(self.streams.values())
+        for stream in streams:
+            stream.queue.put_nowait(_SHUT_DOWN)
+        return len(streams)
+
     def abort(self, request_id: str) -> None:
         if request_id in self.streams:
             self.streams.pop(request_id, None)
@@ -284,6 +295,8 @@ class SimServer:
                 first = False
                 if tok is None:
                     return
+                if tok is _SHUT_DOWN:
+                    raise ConnectionAbortedError("the engine shut down")
                 yield tok
         finally:
             self.streams.pop(req.request_id, None)
@@ -325,6 +338,12 @@ class SimServer:
                 yield event({"id": rid, "object": chunk_kind, "created": int(time.time()),
                              "model": self.model_name, "choices": [choice]})
                 sent += 1
+            # the end of the answer, as OpenAI's API ends a stream: an empty delta with the
+            # finish reason (the simulator always generates max_tokens, as the whole body says)
+            end = {"index": 0, "delta": {}, "finish_reason": "length"} if path == CHAT_PATH \
+                else {"index": 0, "text": "", "finish_reason": "length"}
+            yield event({"id": rid, "object": chunk_kind, "created": int(time.time()),
+                         "model": self.model_name, "choices": [end]})
             if include_usage:
                 yield event({"id": rid, "object": chunk_kind, "created": int(time.time()),
                              "model": self.model_name, "choices": [],
@@ -442,6 +461,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--start-delay-s", type=float, default=0.0, help="slow start (fault)")
+    ap.add_argument("--shutdown-timeout", type=float, default=0.0,
+                    help="vLLM's: on SIGTERM, let unfinished requests run this long, then "
+                         "abort them (0, vLLM's default: abort at once)")
     a = ap.parse_args(argv)
     import os
     if a.start_delay_s:
@@ -458,7 +480,24 @@ def main(argv: list[str] | None = None) -> None:
     publisher = EventPublisher(kv.get("endpoint") if kv.get("enable_kv_cache_events", True)
                                else None, kv.get("replay_endpoint"), kv.get("topic", ""))
     server = SimServer(engine, renderer, a.served_model_name or a.model, publisher)
-    uvicorn.run(build_app(server), host=a.host, port=a.port, log_level="warning")
+    _ShuttingDownServer(server, a.shutdown_timeout, uvicorn.Config(
+        build_app(server), host=a.host, port=a.port, log_level="warning")).run()
+
+
+class _ShuttingDownServer(uvicorn.Server):
+    """uvicorn, whose SIGTERM/SIGINT shut the engine down as vLLM 0.32's API server does
+    (``vllm/entrypoints/launchers/launcher.py``, ``shutdown_timeout``: "abort" mode at 0,
+    else "drain" for that long): unfinished requests are aborted, then the server exits.
+    Plain uvicorn would instead wait for every open stream to end."""
+
+    def __init__(self, sim: SimServer, shutdown_timeout_s: float, config: uvicorn.Config):
+        super().__init__(config)
+        self.sim, self.shutdown_timeout_s = sim, shutdown_timeout_s
+
+    def handle_exit(self, sig, frame) -> None:
+        loop = asyncio.get_event_loop()  # a signal handler: wake the loop to schedule it
+        loop.call_soon_threadsafe(loop.call_later, self.shutdown_timeout_s, self.sim.abort_all)
+        super().handle_exit(sig, frame)
 
 
 if __name__ == "__main__":
