@@ -311,12 +311,15 @@ class EngineReplica:
         await self.shutdown()
 
     async def shutdown(self) -> None:
-        """Drain the engine (``drain``, at most ``Settings.drain_timeout_s``), stop it and
-        the event feed, then remove this replica's entries from the shared index and its
-        load fields: the routers purge a replica that leaves, but its feed, still running
-        during Serve's graceful shutdown, would take that purge for a lost index and
-        rebuild the entries from its record; this last write wins."""
-        if getattr(self, "client", None) is not None and getattr(self, "engine", None):
+        """Drain the engine (``drain``, at most ``Settings.drain_timeout_s``), stop the
+        event feed, remove this replica's entries from the shared index and its load
+        fields, then stop the engine. The routers purge a replica that leaves, but its
+        feed, still running during Serve's graceful shutdown, would take that purge for a
+        lost index and rebuild the entries from its record; this last write wins."""
+        if getattr(self, "_monitor", None):  # no engine restart while it drains
+            self._monitor.cancel()
+        if getattr(self, "client", None) is not None and getattr(self, "engine", None) \
+                and self.settings.drain_timeout_s > 0:
             t0 = time.monotonic()
             if await self.drain(self.settings.drain_timeout_s):
                 logger.info("replica %s drained in %.1f s", self.replica_id,
@@ -326,14 +329,13 @@ class EngineReplica:
                                "drain_timeout_s (%.0f s); stopping it anyway (running %d, "
                                "waiting %d)", self.replica_id, self.settings.drain_timeout_s,
                                self.stats.running, self.stats.waiting)
-        if getattr(self, "_monitor", None):
-            self._monitor.cancel()
         if getattr(self, "feed", None):
             await self.feed.stop()
         if getattr(self, "index", None) is not None:
             try:
                 await self.index.remove_replica(self.replica_id)
-                # its load fields and any lease left of its requests (all are over now)
+                # its load fields, and any lease left of its requests (all are over once
+                # the drain succeeded; a router's later release of one is then a no-op)
                 from router.load.redis import RedisLoadTracker
                 await RedisLoadTracker(self.index.conn, self.settings.index_namespace
                                        ).remove_replica(self.replica_id)

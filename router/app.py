@@ -290,7 +290,9 @@ class Ingress:
         for /v1/completions), hashed as the calling key's tenant's would be; the answer is
         ``RoutingCore.explain``'s (candidates best first with their matched blocks, loads
         and costs, the choice), with nothing reserved or written. The policy is the
-        ``x-routing-policy`` header's (with ``allow_policy_override``) or the default.
+        ``x-routing-policy`` header's (with ``allow_policy_override``) or the default, as
+        this ingress holds it: on ``data_path: serve`` the Ray router decides with its own
+        copy (the same rule and state, other counters and random draws).
 
         Raises:
             OpenAIError: 400 for another ``route`` or a malformed body, 503 with no replica
@@ -306,17 +308,24 @@ class Ingress:
         require_json(request.headers.get("content-type"))
         policy_name = request.headers.get("x-routing-policy")
         self.core.check_policy(policy_name)
-        raw = await _read_body(request, self.settings.max_body_bytes)
-        req = await self.core.prepare(paths[route], raw, policy_name, tenant)
-        infos = await self.core.replica_set()
-        core = self.core.routing_core()
         try:
-            out = await core.explain(req.prompt_tokens, req.block_hashes, infos,
-                                     self.core.policies.get(policy_name),
-                                     cacheable=bool(req.block_hashes))
+            raw = await _read_body(request, self.settings.max_body_bytes)
+            req = await self.core.prepare(paths[route], raw, policy_name, tenant)
+            infos = await self.core.replica_set()
+            out = await self.core.routing_core().explain(
+                req.prompt_tokens, req.block_hashes, infos, self.core.policies.get(policy_name),
+                cacheable=bool(req.block_hashes), adapter=req.lora_name)
         except IndexUnavailable as exc:
             raise OpenAIError(503, f"the index could not be read: {exc}",
                               "ServiceUnavailableError") from None
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except OpenAIError:
+            raise
+        except Exception as exc:  # a bug: still an OpenAI-style body, and a log line
+            logger.exception("explain failed")
+            raise OpenAIError(500, f"internal router error: {type(exc).__name__}",
+                              "InternalServerError") from None
         return JSONResponse(out)
 
     @fastapi_app.get("/metrics")

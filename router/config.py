@@ -137,12 +137,14 @@ class Settings(BaseSettings):
                           "waiting (router.serve.autoscaling), which every data path "
                           "fills. None: a fixed num_replicas.")
     drain_timeout_s: float = Field(
-        60.0, ge=0, description="On scale-in and on stop, a replica first lets its engine "
-                                "finish what it serves: it waits until the engine has had "
-                                "no request running or waiting, and finished none, for 2 s "
+        60.0, ge=0, description="When Serve stops a replica (scale-in, redeploy, serve "
+                                "shutdown, Ctrl-C), the replica first lets its engine finish "
+                                "what it serves: it waits until the engine has had no "
+                                "request running or waiting, and finished none, for 2 s "
                                 "(the routers stop sending to a stopping replica once Serve "
-                                "tells them), at most this long, then stops it. Serve's "
-                                "graceful_shutdown_timeout_s is this plus 30 s.")
+                                "tells them), at most this long, then stops it (0: no wait). "
+                                "Serve's graceful_shutdown_timeout_s, which bounds the whole "
+                                "stop, is this plus 30 s.")
     ingress_replicas: int = Field(1, ge=1, description="Ingress (router) processes.")
     ingress_num_cpus: float = Field(0.25, ge=0, description="Ray logical CPUs per ingress.")
     max_ongoing_requests: int = Field(
@@ -357,7 +359,7 @@ class Settings(BaseSettings):
     @property
     def configured_replicas(self) -> int:
         """The replicas the service is ready with: ``num_replicas``, or with autoscaling
-        its ``min_replicas`` (at least 1: a fleet scaled to zero wakes on a request)."""
+        its ``min_replicas`` (at least 1, ``engine_autoscaling_config`` checks it)."""
         if self.autoscaling_config is None:
             return self.num_replicas
         return max(int(self.autoscaling_config.get("min_replicas", 1)), 1)
@@ -396,6 +398,14 @@ class Settings(BaseSettings):
         if self.autoscaling_config is not None and "num_replicas" in self.model_fields_set:
             raise ValueError("give num_replicas or autoscaling_config, not both: with "
                              "autoscaling, min_replicas and max_replicas bound the fleet")
+        target = (self.autoscaling_config or {}).get("target_ongoing_requests", 2)
+        if self.max_inflight_per_replica is not None and target is not None \
+                and target >= self.max_inflight_per_replica:
+            raise ValueError(
+                f"autoscaling_config's target_ongoing_requests ({target}) must be below "
+                f"max_inflight_per_replica ({self.max_inflight_per_replica}): admission keeps "
+                "each engine at that bound, so the autoscaler would never see more and never "
+                "scale out while requests wait")
         return self
 
     @property
@@ -441,8 +451,8 @@ class Settings(BaseSettings):
         out = []
         for name, value in args.items():
             env = f"PREFIX_ROUTER_{name.upper()}"
-            others = [(f"the environment variable {env}", os.environ[env])] if env in os.environ \
-                else []
+            others = [(f"the environment variable {env}", _env_value(os.environ[env]))] \
+                if env in os.environ else []
             if name in from_file:
                 others.append((f"the config file {path}", from_file[name]))
             mine = getattr(cls(**{name: value}), name)
@@ -496,6 +506,17 @@ def redact_url(url: str) -> str:
     user = parts.username or ""
     host = parts.netloc.rsplit("@", 1)[1]
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def _env_value(raw: str) -> Any:
+    """A ``PREFIX_ROUTER_*`` value as pydantic-settings reads it: JSON for a list or a dict
+    (``autoscaling_config``, ``lora_adapters``...), else the string itself."""
+    import json
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return raw
+    return value if isinstance(value, (dict, list)) else raw
 
 
 def settings_markdown() -> str:

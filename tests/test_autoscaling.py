@@ -134,3 +134,21 @@ def test_drain_waits_for_a_quiet_engine():
 def test_drain_gives_up_after_its_timeout():
     r = _replica([(1, 0, 0.0)])
     assert not asyncio.run(r.drain(0.1, quiet_s=0.05, poll_s=0.01))
+
+
+def test_configs_the_autoscaler_could_not_serve_are_refused():
+    with pytest.raises(ValueError, match="at least 1"):  # a fleet at 0 would never wake
+        Settings(autoscaling_config={"min_replicas": 0, "max_replicas": 2})
+    with pytest.raises(ValueError, match="must be a number"):
+        Settings(autoscaling_config={"target_ongoing_requests": None})
+    with pytest.raises(ValueError, match="below max_inflight_per_replica"):
+        Settings(max_inflight_per_replica=4, autoscaling_config={"target_ongoing_requests": 4})
+    assert Settings(max_inflight_per_replica=4,
+                    autoscaling_config={"target_ongoing_requests": 3}).most_replicas == 1
+
+
+def test_an_autoscaling_config_given_twice_is_compared_as_json(monkeypatch):
+    monkeypatch.setenv("PREFIX_ROUTER_AUTOSCALING_CONFIG", '{"max_replicas": 3}')
+    assert Settings.given_twice({"autoscaling_config": {"max_replicas": 3}}) == []
+    (line,) = Settings.given_twice({"autoscaling_config": {"max_replicas": 2}})
+    assert "PREFIX_ROUTER_AUTOSCALING_CONFIG" in line

@@ -83,3 +83,14 @@ async def test_a_failed_read_keeps_the_last_copy_and_a_failed_write_raises():
     with pytest.raises(IndexUnavailable):
         await d.set("A", True)
     assert d.current() == frozenset()
+
+
+async def test_a_live_drained_replica_is_chosen_before_a_dead_one():
+    """Drained B and dead A, C: the request goes to B (a drain never costs a request)."""
+    drains = DrainedReplicas()
+    core = core_with(drains)
+    await drains.set("B", True)
+    reps = [ReplicaInfo("A", {}, {"engine_alive": False}), ReplicaInfo("B", {}, {}),
+            ReplicaInfo("C", {}, {"engine_alive": False})]
+    for i in range(4):
+        assert (await core.decide(uuid.uuid4().hex, 100, [], reps)).replica == "B"

@@ -37,7 +37,7 @@ async def test_explain_ranks_the_holder_first_and_changes_nothing():
     assert rows["B"]["matched_blocks"] == 8 and rows["B"]["predicted_cached_tokens"] == 256
     assert rows["C"]["inflight"] == 1 and rows["C"]["prefill_tokens_queued"] == 500
     assert rows["B"]["cost_s"] < rows["C"]["cost_s"]
-    assert rows["A"]["drained"] and not rows["A"]["usable"] and rows["A"]["inflight"] is None
+    assert rows["A"]["drained"] and not rows["A"]["candidate"] and rows["A"]["inflight"] is None
     # nothing reserved, written or drawn
     loads = await load.loads(["A", "B", "C"])
     assert (loads["A"].inflight, loads["B"].inflight, loads["C"].inflight) == (0, 0, 1)

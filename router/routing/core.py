@@ -101,13 +101,21 @@ class RoutingCore:
         self._mismatch_logged: set[str] = set()
         self._restarts_seen: dict[str, int] = {}
 
+    def drained(self, replica: ReplicaInfo) -> bool:
+        """An operator drained it (``router.routing.drain``)."""
+        return self.drains is not None and replica.replica_id in self.drains.current()
+
+    def candidates_of(self, replicas: Sequence[ReplicaInfo]) -> list[ReplicaInfo]:
+        """The replicas a decision chooses among: the usable ones that are not drained; the
+        usable ones when every one of those is drained (a drain never refuses a request,
+        and a live drained replica beats a dead one); all of them when none is usable."""
+        usable = [r for r in replicas if self.usable(r)] or list(replicas)
+        return [r for r in usable if not self.drained(r)] or usable
+
     def usable(self, replica: ReplicaInfo) -> bool:
-        """Not drained by an operator, and not known dead (its engine reported down, or its
-        circuit is open). A replica whose engine was restarted since its failures starts
-        with a closed circuit."""
+        """Not known dead (its engine reported down, or its circuit is open). A replica
+        whose engine was restarted since its failures starts with a closed circuit."""
         if replica.stats.engine_alive is False:
-            return False
-        if self.drains is not None and replica.replica_id in self.drains.current():
             return False
         if self.health is None:
             return True
@@ -178,7 +186,7 @@ class RoutingCore:
         if adapter is not None:
             replicas = [r for r in replicas if adapter in r.metadata.lora_adapters] \
                 or list(replicas)
-        usable = [r for r in replicas if self.usable(r)] or list(replicas)
+        usable = self.candidates_of(replicas)
         compatible = [r for r in usable if self.compatible(r)]
         pool = compatible or usable
         # the index is consulted only over candidates that hash blocks as the router does
@@ -365,13 +373,15 @@ class RoutingCore:
     async def explain(self, prompt_tokens: int, block_hashes: Sequence[int],
                       replicas: Sequence[ReplicaInfo], policy: Policy | None = None,
                       cacheable: bool = True, text: str = "",
-                      first_user_text: str = "") -> dict:
+                      first_user_text: str = "", adapter: str | None = None) -> dict:
         """What a decision of this request would see and choose now, with nothing reserved
         or written: the operator's "why did it go there" (``POST /admin/explain``).
 
         The policy decides on a copy of itself (its counters and random draws are left as
         they are), over the index's match and the loads read now; an atomic Redis decision
-        runs the same rule in its script (checked against Python in tests).
+        runs the same rule in its script (checked against Python in tests), with its own
+        tie-break draw. A LoRA ``adapter`` narrows the candidates as in ``decide``; a
+        session's pin is not applied (the answer is the decision without it).
 
         Returns:
             ``{"policy", "choice", "reason", "prompt_tokens", "blocks", "candidates": [{
@@ -386,7 +396,10 @@ class RoutingCore:
         policy = policy or self.policy
         if self.drains is not None:
             await self.drains.refresh()
-        usable = [r for r in replicas if self.usable(r)] or list(replicas)
+        if adapter is not None:  # as decide: among the replicas that load the adapter
+            replicas = [r for r in replicas if adapter in r.metadata.lora_adapters] \
+                or list(replicas)
+        usable = self.candidates_of(replicas)
         compatible = [r for r in usable if self.compatible(r)]
         pool = compatible or usable
         ids = [r.replica_id for r in pool]
@@ -408,6 +421,7 @@ class RoutingCore:
             c = by_id.get(rid)
             info = next(r for r in replicas if r.replica_id == rid)
             row = {"replica": rid, "usable": self.usable(info), "drained": rid in drained,
+                   "candidate": c is not None,
                    "compatible": self.compatible(info),
                    "matched_blocks": c.matched_blocks if c else None,
                    "predicted_cached_tokens": decision.predicted_cached_tokens.get(rid),

@@ -359,12 +359,14 @@ async def end_answer(answer: asyncio.Future) -> Response | None:
     return resp
 
 
-def abandon(answer: asyncio.Future) -> None:
-    """The client left while ``answer`` ran (see ``end_answer``): cancel it and, in the
-    background, close whatever it still returns."""
+def abandon(answer: asyncio.Future) -> asyncio.Task:
+    """The client left while ``answer`` ran (see ``end_answer``): cancel it and, in a task
+    of its own that no cancellation of the caller stops, close whatever it still returns;
+    returns that task."""
     reaper = asyncio.ensure_future(end_answer(answer))
     _ABANDONED.add(reaper)
     reaper.add_done_callback(_ABANDONED.discard)
+    return reaper
 
 
 class KeepAliveStreamingResponse(StreamingResponse):
@@ -419,5 +421,5 @@ class KeepAliveStreamingResponse(StreamingResponse):
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
-        finally:
-            await end_answer(self.answer)
+        finally:  # shielded: a second cancellation must not leave a late response open
+            await asyncio.shield(abandon(self.answer))

@@ -361,6 +361,7 @@ class IngressCore:
         Raises:
             OpenAIError: 429 (overloaded), 503 (no replica).
         """
+        await state.make_drains(self.settings).refresh()  # at most one read a second
         await self.admission.admit(req.request_id, self._usable_replica_ids, priority)
         try:  # route_request ends the admission's hold once the decision has reserved
             for attempt in (1, 2):
@@ -379,8 +380,8 @@ class IngressCore:
         infos = state.replica_infos() or ()
         drained = state.make_drains(self.settings).current()
         up = [i.replica_id for i in infos if i.stats.engine_alive is not False
-              and self.health.available(i.replica_id) and i.replica_id not in drained]
-        return up or [i.replica_id for i in infos]
+              and self.health.available(i.replica_id)] or [i.replica_id for i in infos]
+        return [r for r in up if r not in drained] or up
 
     async def _outcome(self, dispatch: Attempt, head: ReplicaHead, body: bytes | None,
                        attempt: int) -> Response | None:
