@@ -148,7 +148,7 @@ async def test_an_abandoned_answer_that_loses_its_cancellation_still_closes_its_
     abandon(task)
     assert _ABANDONED  # the reaper is held until it is done
     await asyncio.wait_for(task, 2)
-    for _ in range(50):
+    for _ in range(500):
         if dispatch.closed:
             break
         await asyncio.sleep(0.01)
