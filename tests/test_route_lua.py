@@ -259,7 +259,11 @@ async def _warm_then_overload(routers: int) -> tuple[float, int]:
         d = await core.decide(f"q{n}", (len(prefix) + 4) * BS + 7, prefix + suffix, reps)
         return d.replica
 
-    # (a) balanced: 40 at once, alternating prefixes, none finishing
+    # (a) balanced: 40 at once, alternating prefixes, none finishing. The connections are
+    # opened first: a decision on a new connection waits for its connect, and connects end
+    # in any order, so the scripts would reach Redis in any order (all of one prefix first
+    # is not a balanced load: its replica would rightly spill)
+    await asyncio.gather(*(conn.call(lambda c: c.ping()) for _ in range(40)))
     picks = await asyncio.gather(*(send(p_a if i % 2 == 0 else p_b) for i in range(40)))
     warm = sum(p == ("a" if i % 2 == 0 else "b") for i, p in enumerate(picks)) / len(picks)
     # (b) overloaded A: long P_a requests, four at a time (one per client connection)
