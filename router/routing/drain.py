@@ -2,8 +2,8 @@
 
 Draining is the operator's side of a scale-in or of maintenance (``POST
 /admin/replicas/{id}/drain``): the replica's requests in flight finish, and every router
-leaves it out of its candidates from its next decision on, unless no other replica is left
-(a request is never refused for it). The set lives in Redis with ``redis_url`` (every
+leaves it out of its candidates from its next decision on, unless no other live replica is
+left (a request is never refused for it; ``RoutingCore.candidates_of``). The set lives in Redis with ``redis_url`` (every
 router reads it, at most ``refresh_s`` old), else in this process (with one ingress
 process; several without Redis do not share it: ``drain`` then reaches only the process
 that took the call, and the admin API says so).
