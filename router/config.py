@@ -398,7 +398,8 @@ class Settings(BaseSettings):
         if self.autoscaling_config is not None and "num_replicas" in self.model_fields_set:
             raise ValueError("give num_replicas or autoscaling_config, not both: with "
                              "autoscaling, min_replicas and max_replicas bound the fleet")
-        target = (self.autoscaling_config or {}).get("target_ongoing_requests", 2)
+        target = None if self.autoscaling_config is None else \
+            self.autoscaling_config.get("target_ongoing_requests", 2)  # Serve's default
         if self.max_inflight_per_replica is not None and target is not None \
                 and target >= self.max_inflight_per_replica:
             raise ValueError(

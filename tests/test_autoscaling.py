@@ -145,6 +145,7 @@ def test_configs_the_autoscaler_could_not_serve_are_refused():
         Settings(max_inflight_per_replica=4, autoscaling_config={"target_ongoing_requests": 4})
     assert Settings(max_inflight_per_replica=4,
                     autoscaling_config={"target_ongoing_requests": 3}).most_replicas == 1
+    assert Settings(max_inflight_per_replica=2).autoscaling_config is None  # no autoscaler
 
 
 def test_an_autoscaling_config_given_twice_is_compared_as_json(monkeypatch):
