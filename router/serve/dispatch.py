@@ -387,7 +387,6 @@ class KeepAliveStreamingResponse(StreamingResponse):
     def __init__(self, answer: asyncio.Task, interval_s: float, **kwargs):
         self.answer = answer
         self.interval_s = interval_s
-        self.inner: StreamingResponse | None = None
         super().__init__(self._body(), media_type="text/event-stream", **kwargs)
 
     async def _body(self) -> AsyncIterator[bytes]:
@@ -406,14 +405,14 @@ class KeepAliveStreamingResponse(StreamingResponse):
                                                    f"{type(exc).__name__}",
                                               "InternalServerError").body())
             return
-        self.inner = inner if isinstance(inner, StreamingResponse) else None
-        if inner.status_code == 200 and self.inner is not None:
-            async for chunk in self.inner.body_iterator:
+        stream = inner if isinstance(inner, StreamingResponse) else None
+        if inner.status_code == 200 and stream is not None:
+            async for chunk in stream.body_iterator:
                 yield chunk
             return
-        if self.inner is not None:
+        if stream is not None:
             body = b"".join([c if isinstance(c, bytes) else c.encode()
-                             async for c in self.inner.body_iterator])
+                             async for c in stream.body_iterator])
         else:
             body = bytes(inner.body)
         yield sse_error_event(body)
