@@ -212,6 +212,9 @@ class EngineReplica:
             engine_alive=self.engine.alive(), restarts=self.restarts,
             output_tokens_total=snap.generation_tokens_total,
             requests_finished_total=snap.requests_finished_total)
+        from router import metrics
+        metrics.record_engine_load(self.replica_id, snap.running, snap.waiting,
+                                   snap.kv_usage_frac)
 
     async def _probe_hashes(self, timeout_s: float = 5.0) -> str:
         """Send a probe prompt and compare the engine's ``BlockStored`` hashes with ours.

@@ -25,6 +25,7 @@ OVERHEAD_BOUNDARIES_S = [0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.
 PREDICTION_ERROR_BOUNDARIES_TOKENS = [1, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192,
                                       16384, 32768, 131072]
 TTFT_BOUNDARIES_S = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+KV_APPLY_LAG_BOUNDARIES_S = OVERHEAD_BOUNDARIES_S + [2.5, 5.0, 10.0, 30.0]
 
 
 def _make() -> dict[str, Any]:
@@ -110,9 +111,24 @@ def _make() -> dict[str, Any]:
         "kv_event_lag": Histogram("router_kv_event_lag_seconds",
                                   "Engine step time to consumption of a KV-event batch.",
                                   boundaries=OVERHEAD_BOUNDARIES_S, tag_keys=("replica",)),
+        "kv_event_apply_lag": Histogram(
+            "router_kv_event_apply_lag_seconds",
+            "Engine step time of a live KV-event batch to the end of its write into the index "
+            "(batching and the index round trip included; replayed batches and batches a "
+            "resync rewrites are not observed).",
+            boundaries=KV_APPLY_LAG_BOUNDARIES_S, tag_keys=("replica",)),
         "kv_blocks_applied": Counter("router_kv_blocks_applied_total",
                                      "Block hashes written to the index from KV events.",
                                      tag_keys=("replica",)),
+        "engine_requests": Gauge(
+            "router_engine_requests",
+            "Requests the replica's engine reports, by state: running or waiting (vLLM's "
+            "vllm:num_requests_running and vllm:num_requests_waiting, scraped by the replica).",
+            tag_keys=("replica", "state")),
+        "engine_kv_cache_usage": Gauge(
+            "router_engine_kv_cache_usage",
+            "Fraction of the engine's KV cache in use, 0 to 1 (vllm:kv_cache_usage_perc).",
+            tag_keys=("replica",)),
         "index_entries": Gauge("router_index_entries",
                                "(block, replica) entries in the index."),
         "overhead": Histogram("router_routing_overhead_seconds",
@@ -159,6 +175,16 @@ def inc(name: str, value: float = 1.0, tags: dict[str, str] | None = None) -> No
     """Add ``value`` to counter ``name`` (Ray's counters refuse 0 and negatives: skipped)."""
     if value > 0:
         get(name).inc(value, tags=tags)
+
+
+def record_engine_load(replica: str, running: float, waiting: float,
+                       kv_cache_usage: float) -> None:
+    """Export one scrape of ``replica``'s engine: its running and waiting requests and its
+    KV-cache usage (each replica process sets only its own replica's series)."""
+    gauge = get("engine_requests")
+    gauge.set(running, tags={"replica": replica, "state": "running"})
+    gauge.set(waiting, tags={"replica": replica, "state": "waiting"})
+    get("engine_kv_cache_usage").set(kv_cache_usage, tags={"replica": replica})
 
 
 # Gauges that are each router's view of the whole fleet: summing them over router

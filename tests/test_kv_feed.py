@@ -282,3 +282,86 @@ async def _safe_matched(index, hashes, n):
 
 async def _is_dirty(feed):
     return feed.dirty
+
+
+class _Recorded:
+    """Stands in for a Ray metric: keeps what was observed or added, with its tags."""
+
+    def __init__(self):
+        self.values: list[tuple[float, dict]] = []
+
+    def observe(self, value, tags=None):
+        self.values.append((value, dict(tags or {})))
+
+    inc = set = observe
+
+
+def _recorded_metrics(monkeypatch) -> dict:
+    from collections import defaultdict
+
+    from router import metrics
+    recorded = defaultdict(_Recorded)
+    recorded["requests"]  # non-empty: metrics.get does not make the Ray metrics
+    monkeypatch.setattr(metrics, "_metrics", recorded)
+    return recorded
+
+
+class _SlowIndex(MemoryPrefixIndex):
+    """An index whose writes take ``delay_s`` (a slow Redis round trip)."""
+
+    def __init__(self, delay_s: float):
+        super().__init__()
+        self.delay_s = delay_s
+
+    async def apply_events(self, replica_id, events):
+        await asyncio.sleep(self.delay_s)
+        await super().apply_events(replica_id, events)
+
+
+async def test_apply_lag_runs_from_the_engine_step_to_the_end_of_the_index_write(
+        tmp_path, monkeypatch):
+    """router_kv_event_apply_lag_seconds covers the index write (0.3 s here), which the
+    receive lag (router_kv_event_lag_seconds) does not; one observation per live batch."""
+    recorded = _recorded_metrics(monkeypatch)
+    ep, _ = endpoints(tmp_path)
+    pub = EventPublisher(ep, None, "r1")
+    index = _SlowIndex(0.3)
+    feed = EventFeed("r1", ep, None, index, flush_interval_s=0.001)
+    feed.start()
+    await asyncio.sleep(0.2)
+    await pub.publish([KVEvent("stored", [1, 2], None)], 32)
+    await until(lambda: _matched(index, [1, 2], 2))
+    await until(lambda: _has(recorded["kv_event_apply_lag"].values, 1))
+    await feed.stop()
+    pub.close()
+    [(apply_lag, tags)] = recorded["kv_event_apply_lag"].values
+    [(receive_lag, _)] = recorded["kv_event_lag"].values
+    assert tags == {"replica": "r1"}
+    assert 0.3 <= apply_lag < 5.0 and receive_lag < 0.3 and apply_lag > receive_lag
+    assert not recorded["index_errors"].values
+
+
+async def test_a_failed_index_write_is_counted_and_observes_no_apply_lag(tmp_path,
+                                                                         monkeypatch):
+    from router.index.base import IndexUnavailable
+
+    class DownIndex(MemoryPrefixIndex):
+        async def apply_events(self, replica_id, events):
+            raise IndexUnavailable("redis down")
+
+    recorded = _recorded_metrics(monkeypatch)
+    ep, _ = endpoints(tmp_path)
+    pub = EventPublisher(ep, None, "r1")
+    feed = EventFeed("r1", ep, None, DownIndex(), flush_interval_s=0.001)
+    feed.start()
+    await asyncio.sleep(0.2)
+    await pub.publish([KVEvent("stored", [1], None)], 32)
+    await until(lambda: _is_dirty(feed))
+    await feed.stop()
+    pub.close()
+    assert recorded["index_errors"].values == [(1, {"op": "kv_events_write"})]
+    assert not recorded["kv_event_apply_lag"].values and feed.pending_batch_ts == []
+
+
+async def _has(values, n):
+    return len(values) >= n

@@ -33,3 +33,27 @@ def test_counters_and_inflight_sum_over_processes_fleet_views_do_not():
 def test_nodes_add_up():
     text = aggregate_ray_export([EXPORT, EXPORT])
     assert 'router_decision_total{policy="p",reason="cache"} 14.0' in text
+
+
+def test_engine_load_is_exported_per_replica_and_state(monkeypatch):
+    """record_engine_load sets the engine's running and waiting requests and KV-cache usage
+    under its replica's label."""
+    from collections import defaultdict
+
+    from router import metrics
+
+    class Gauge:
+        def __init__(self):
+            self.values = {}
+
+        def set(self, value, tags=None):
+            self.values[tuple(sorted((tags or {}).items()))] = value
+
+    gauges = defaultdict(Gauge)
+    gauges["requests"]  # non-empty: metrics.get does not make the Ray metrics
+    monkeypatch.setattr(metrics, "_metrics", gauges)
+    metrics.record_engine_load("r1", 3, 2, 0.25)
+    assert gauges["engine_requests"].values == {
+        (("replica", "r1"), ("state", "running")): 3,
+        (("replica", "r1"), ("state", "waiting")): 2}
+    assert gauges["engine_kv_cache_usage"].values == {(("replica", "r1"),): 0.25}

@@ -116,6 +116,7 @@ class EventFeed:
         self.max_pending_events = max_pending_events
         self.on_stats = on_stats
         self.pending: list[KVEvent] = []
+        self.pending_batch_ts: list[float] = []  # engine step times of live batches pending
         self.dirty = False
         self.batches = 0
         self.events_applied = 0
@@ -156,6 +157,8 @@ class EventFeed:
                 lag = self.health.lag_s()
                 if lag is not None and not item.replayed:
                     metrics.get("kv_event_lag").observe(lag, tags=tags)
+                    if item.events:
+                        self.pending_batch_ts.append(item.ts)
                 events = item.events
             else:  # "restart" or "clear": the replica's entries are unknown now
                 logger.warning("KV events of replica %s: %s; clearing its entries",
@@ -196,19 +199,25 @@ class EventFeed:
         if not self.pending:
             return
         events, self.pending = self.pending, []
+        stamps, self.pending_batch_ts = self.pending_batch_ts, []
         if self.index is None:
             return
         if self.dirty:
             return  # a resync will rewrite everything from the record
+        from router import metrics
         try:
             await self.index.apply_events(self.replica_id, events)
             self.events_applied += len(events)
             blocks = sum(len(e.block_hashes) for e in events)
             self.blocks_applied += blocks
-            from router import metrics
             metrics.inc("kv_blocks_applied", blocks, tags={"replica": self.replica_id})
+            now = time.time()
+            for ts in stamps:
+                metrics.get("kv_event_apply_lag").observe(max(now - ts, 0.0),
+                                                          tags={"replica": self.replica_id})
         except IndexUnavailable as exc:
             self.write_errors += 1
+            metrics.inc("index_errors", tags={"op": "kv_events_write"})
             if not self.dirty:
                 logger.warning("index write for replica %s failed (%s); it will be rebuilt "
                                "from this replica's record when the index returns",
