@@ -142,8 +142,9 @@ class EngineReplica:
             yield ReplicaHead(self.replica_id, 503, {}, retryable=True,
                               error="engine is not running", predicted_cached_tokens=predicted)
             return
-        request = self.client.build_request(
-            "POST", req.path, content=req.body, headers={"content-type": "application/json"})
+        request = self.client.build_request(  # trace_headers: the router's traceparent
+            "POST", req.path, content=req.body,
+            headers={"content-type": "application/json", **(req.trace_headers or {})})
         try:
             resp = await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:

@@ -30,6 +30,7 @@ import httpx
 
 from router.config import Settings
 from router.logs import get_logger
+from router.tracing import endpoint_of
 
 logger = get_logger(__name__)
 
@@ -179,6 +180,8 @@ class EngineProcess:
                 cmd += ["--kv-cache-memory-bytes", str(int(s.kv_cache_memory_gib * 2**30))]
         if s.tool_call_parser:
             cmd += ["--enable-auto-tool-choice", "--tool-call-parser", s.tool_call_parser]
+        if endpoint_of(s):  # its spans join the router's traces (OTLP/HTTP, see env)
+            cmd += ["--otlp-traces-endpoint", endpoint_of(s)]
         if self.lora_adapters:
             cmd += ["--enable-lora", "--max-lora-rank", str(s.max_lora_rank),
                     "--max-loras", str(len(self.lora_adapters)),
@@ -190,6 +193,9 @@ class EngineProcess:
         env = dict(os.environ)
         env["PYTHONHASHSEED"] = s.hash_seed
         env["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "1"
+        if endpoint_of(s):  # vLLM's exporter speaks gRPC unless told; the endpoint is HTTP
+            env["OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"] = "http/protobuf"
+            env.setdefault("OTEL_SERVICE_NAME", "vllm")
         if self.device == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = str(s.cpu_kvcache_space_gib)
             env["VLLM_CPU_OMP_THREADS_BIND"] = s.cpu_omp_threads_bind

@@ -331,6 +331,19 @@ class Settings(BaseSettings):
     redis_tls_key_file: Optional[str] = Field(
         None, description="Private key of redis_tls_cert_file.")
 
+    # --- traces ---------------------------------------------------------------------------
+    otlp_traces_endpoint: Optional[str] = Field(
+        None, description="OTLP/HTTP traces endpoint, a full URL (e.g. "
+                          "http://otel-collector:4318/v1/traces): each request's spans are "
+                          "exported there, and the engines are started with vLLM's "
+                          "--otlp-traces-endpoint (OTLP/HTTP) so that their spans join the "
+                          "router's traces. None: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT when "
+                          "set, else tracing is off (docs/operations.md, 'Traces').")
+    traces_sample_rate: float = Field(
+        1.0, ge=0.0, le=1.0, description="Fraction of the traces the router starts that are "
+                                         "recorded; a request with a traceparent follows "
+                                         "its caller's sampling decision.")
+
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings,
                                    dotenv_settings, file_secret_settings

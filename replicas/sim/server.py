@@ -10,7 +10,8 @@ API: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streaming or not, 
 with ``prompt_tokens_details.cached_tokens``), ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (vLLM's metric names), ``POST /tokenize``, ``POST /reset_prefix_cache``.
 Test hooks under ``/sim/``: ``POST /sim/faults`` (see ``Faults``), ``GET /sim/requests``
-(every body received, verbatim), ``GET /sim/state``.
+(every body received, verbatim), ``GET /sim/headers`` (the headers of each of those
+requests, in the same order), ``GET /sim/state``.
 
 The engine (``replicas.sim.engine.SimEngine``) runs one step at a time and sleeps each
 step's modelled duration; tokens go to the requests' queues at the end of their step.
@@ -169,6 +170,7 @@ class SimServer:
         self.max_model_len = max_model_len
         self.faults = Faults()
         self.received: list[Any] = []
+        self.received_headers: list[dict[str, str]] = []
         self.withheld: list[KVEvent] = []
         self.streams: dict[str, _Stream] = {}
         self._wake = asyncio.Event()
@@ -237,6 +239,7 @@ class SimServer:
         except ValueError:
             return self.error(400, "invalid JSON")
         self.received.append(body)
+        self.received_headers.append(dict(request.headers))
         f = self.faults
         if f.error_status and f.error_count != 0:
             if f.error_count > 0:
@@ -432,6 +435,10 @@ def build_app(server: SimServer) -> FastAPI:
     @app.get("/sim/requests")
     async def received():
         return server.received
+
+    @app.get("/sim/headers")
+    async def received_headers():
+        return server.received_headers
 
     @app.get("/sim/state")
     async def state():

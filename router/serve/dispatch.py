@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, AsyncIterator
 
 from fastapi.responses import Response, StreamingResponse
 
-from router import metrics
+from router import metrics, tracing
 from router.logs import get_logger
 from router.routing.core import route_request
 from router.serve.errors import OpenAIError, no_replicas
@@ -93,12 +93,23 @@ class Attempt:
     Subclasses are the two data paths: ``_open`` routes and sends the request, returning
     the engine's status and headers before any body byte; ``_chunks`` yields the body;
     ``_abort`` ends an unfinished call (the engine then aborts the request).
+
+    While tracing is on (``router.tracing``), ``parent`` is the request's span and ``span``
+    this attempt's ``dispatch`` span, from the moment the request leaves for its engine
+    (``_trace_dispatch``) to ``close``; both are None otherwise.
+
+    Args:
+        attempt: 1 for the first attempt, 2 for the retry.
     """
 
-    def __init__(self, core: IngressCore, req: RoutedRequest, route: str):
+    def __init__(self, core: IngressCore, req: RoutedRequest, route: str, attempt: int = 1):
         self.core = core
         self.req = req
         self.route = route
+        self.attempt = attempt
+        self.span = None
+        self.parent = tracing.current_span()
+        self._last_byte_ns: int | None = None
         self.head: ReplicaHead | None = None
         self.replica = ""
         self.started_body = False
@@ -123,13 +134,42 @@ class Attempt:
         self.req.routed_replica = None  # set again by this attempt's decision
         try:
             self.head = await self._open()
+        except BaseException as exc:
+            if self.span is not None:
+                tracing.fail(self.span, exc)
+            raise
         finally:
             self.replica = (self.head.replica_id if self.head else None) \
                 or self.req.routed_replica or ""
             if self.replica:
                 metrics.inc("dispatched", tags={"replica": self.replica})
                 self.core._count_inflight(self.replica, +1)
+            if self.span is not None:
+                self._trace_head()
         return self.head
+
+    def _trace_dispatch(self, attributes: dict) -> dict[str, str]:
+        """Start this attempt's ``dispatch`` span (tracing on), a child of the request's;
+        returns the headers that carry its context to the engine (``traceparent``)."""
+        self.span = tracing.start_span("dispatch", {
+            tracing.ATTR_ATTEMPT: self.attempt, "http.request.method": "POST",
+            **attributes}, kind=tracing.SpanKind.CLIENT)
+        return {} if self.span is None else tracing.inject(self.span)
+
+    def _trace_head(self) -> None:
+        """The engine's head on the dispatch span: its replica, status, and an error."""
+        span, head = self.span, self.head
+        if self.replica:
+            span.set_attribute(tracing.ATTR_REPLICA, self.replica)
+        if head is None:
+            return
+        span.set_attributes({"http.response.status_code": head.status,
+                             tracing.ATTR_PREDICTED: head.predicted_cached_tokens})
+        if self.req.routing_reason:
+            span.set_attribute(tracing.ATTR_REASON, self.req.routing_reason)
+        if head.error or head.status >= 500:
+            span.set_attribute("error.type", str(head.status))
+            tracing.fail(span, head.error or f"HTTP {head.status}")
 
     @property
     def streaming(self) -> bool:
@@ -157,11 +197,17 @@ class Attempt:
                 if not self.started_body:
                     self.started_body = True
                     await self.core.load.prefill_done(self.req.request_id)
-                    metrics.get("ttft").observe(time.perf_counter() - self.req.t_arrival,
-                                                tags={"route": self.route})
+                    ttft = time.perf_counter() - self.req.t_arrival
+                    metrics.get("ttft").observe(ttft, tags={"route": self.route})
+                    if self.span is not None:
+                        self.span.add_event("first_byte")
+                        self.parent.set_attribute("gen_ai.response.time_to_first_chunk",
+                                                  ttft)
                 self.scanner.feed(chunk)
                 yield chunk
             self.exhausted = True
+            if self.span is not None:  # the dispatch ends with its last byte relayed
+                self._last_byte_ns = time.time_ns()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -169,6 +215,10 @@ class Attempt:
                          "after" if self.started_body else "before", exc)
             self.exhausted = True
             self.failed = True
+            if self.span is not None:
+                tracing.fail(self.span, exc)
+                if self.started_body:  # the client's answer broke: the request failed
+                    tracing.fail(self.parent, exc)
             if not self.streaming:
                 raise
             yield sse_error(f"engine stream interrupted: {type(exc).__name__}")
@@ -180,7 +230,22 @@ class Attempt:
         self.req.closed = True  # before the release: see RoutedRequest.closed
         # Shielded: a second cancellation of a request that is already going away must not
         # stop the release half-way (the reservation would outlive the request).
-        await asyncio.shield(asyncio.ensure_future(self._close()))
+        try:
+            await asyncio.shield(asyncio.ensure_future(self._close()))
+        finally:
+            if self.span is not None:
+                self._trace_end()
+
+    def _trace_end(self) -> None:
+        """End the dispatch span: the engine's usage, and whether the answer was abandoned
+        before its end (the client left, or the attempt was given up)."""
+        span = self.span
+        ok = self.head is not None and self.head.status == 200
+        if ok and not self.exhausted:
+            span.set_attribute(tracing.ATTR_ABORTED, True)
+        if ok:
+            tracing.usage_attributes((span, self.parent), self.scanner.usage)
+        span.end(end_time=self._last_byte_ns)
 
     async def _close(self) -> None:
         try:
@@ -218,6 +283,8 @@ class ServeAttempt(Attempt):
     gen = None
 
     async def _open(self) -> ReplicaHead:
+        if self.parent is not None:  # the replica passes them on to its engine
+            self.req.trace_headers = self._trace_dispatch({tracing.ATTR_DATA_PATH: "serve"})
         self.gen = self.core.engine.options(stream=True).generate.remote(self.req)
         return await self._first_item()
 
@@ -265,9 +332,19 @@ class DirectAttempt(Attempt):
         core, req = self.core, self.req
         infos = await core.replica_set()
         policy = core.policies.get(req.policy)
+        route_span = tracing.start_span("route", {
+            tracing.ATTR_ATTEMPT: self.attempt, tracing.ATTR_POLICY: policy.name,
+            tracing.ATTR_CANDIDATES: len(infos)}) if self.parent is not None else None
         try:
             await route_request(core.routing_core(), req, infos, policy)
-        except Exception:  # a bug: route by this process's own counts, never fail
+        except asyncio.CancelledError as exc:
+            if route_span is not None:
+                tracing.fail(route_span, exc)
+                route_span.end()
+            raise
+        except Exception as exc:  # a bug: route by this process's own counts, never fail
+            if route_span is not None:
+                tracing.fail(route_span, exc)
             logger.exception("routing decision failed for request %s; routing by load",
                              req.request_id)
             metrics.inc("decisions", tags={"reason": "fallback", "policy": policy.name})
@@ -278,14 +355,22 @@ class DirectAttempt(Attempt):
             req.predicted_cached_tokens = {}
         replica = req.routed_replica
         predicted = req.predicted_cached_tokens.get(replica, 0)
+        if route_span is not None:
+            route_span.set_attributes({tracing.ATTR_REPLICA: replica,
+                                       tracing.ATTR_REASON: req.routing_reason,
+                                       tracing.ATTR_PREDICTED: predicted})
+            route_span.end()
         info = next(i for i in infos if i.replica_id == replica)
         url = info.metadata.engine_url
         if not url:
             return ReplicaHead(replica, 503, {}, retryable=True, error="replica advertises "
                                "no engine endpoint yet", predicted_cached_tokens=predicted)
         client = core.engine_client()
+        headers = {"content-type": "application/json"}
+        if self.parent is not None:
+            headers.update(self._trace_dispatch(_http_client_attributes(url + req.path)))
         request = client.build_request("POST", url + req.path, content=req.body,
-                                       headers={"content-type": "application/json"})
+                                       headers=headers)
         try:
             self.resp = await client.send(request, stream=True)
         except httpx.HTTPError as exc:
@@ -304,6 +389,18 @@ class DirectAttempt(Attempt):
     async def _abort(self) -> None:
         if self.resp is not None:
             await self.resp.aclose()
+
+
+def _http_client_attributes(url: str) -> dict:
+    """The HTTP client attributes of a dispatch to ``url`` (an engine's endpoint)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    out = {"url.full": url, tracing.ATTR_DATA_PATH: "direct",
+           "server.address": parts.hostname or ""}
+    if parts.port:
+        out["server.port"] = parts.port
+    return out
 
 
 class GuardedStreamingResponse(StreamingResponse):

@@ -33,13 +33,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from router import metrics
+from router import metrics, tracing
 from router.config import Settings
 from router.hashing import BlockHasher
 from router.index.base import IndexUnavailable
 from router.logs import get_logger
 from router.policy import LIVE_POLICIES, PolicySet
-from router.prompt.render import PromptInfo, PromptRenderer
+from router.prompt.render import CHAT_PATH, COMPLETIONS_PATH, PromptInfo, PromptRenderer
 from router.routing.sessions import session_key
 from router.serve import state
 from router.serve.admission import Admission, parse_priority
@@ -96,6 +96,7 @@ class IngressCore:
         self._any_turn = 0  # rotates any_engine's first choice
         self._gauges_task: asyncio.Task | None = None  # see _keep_gauges
         self._turn: asyncio.Lock | None = None  # see _cpu_turn
+        tracing.configure(settings)  # OpenTelemetry traces, when an endpoint is configured
 
     async def forget_predictions(self, req: RoutedRequest, replica: str) -> None:
         """The engine refused ``req`` (an error status): drop the predicted entries that its
@@ -161,6 +162,7 @@ class IngressCore:
         except ValidationError as exc:
             msg, loc = validation_message(exc)
             raise invalid_body(msg, loc) from None
+        tracing.request_attributes(path, body)  # gen_ai.* on the request's span
         overrides: dict = {}
         if tenant is not None and self.settings.tenant_cache_isolation:
             # the engine keeps the tenant's blocks apart, and the router's hashes follow
@@ -331,7 +333,12 @@ class IngressCore:
         self.check_policy(policy)
         attempt_cls = self._attempt_class(data_path)
         prio = resolve_priority(priority, tenant)
-        req = await self.prepare(path, raw, policy, tenant, prio, session)
+        with tracing.span("prepare") as span:
+            req = await self.prepare(path, raw, policy, tenant, prio, session)
+            if span is not None:
+                tracing.current_span().set_attribute(tracing.ATTR_REQUEST_ID, req.request_id)
+                span.set_attributes({tracing.ATTR_PROMPT_TOKENS: req.prompt_tokens,
+                                     tracing.ATTR_BLOCKS: len(req.block_hashes)})
         req.policy = policy or None
         req.t_arrival = t_arrival
         route = route_label(path)
@@ -362,10 +369,12 @@ class IngressCore:
             OpenAIError: 429 (overloaded), 503 (no replica).
         """
         await state.make_drains(self.settings).refresh()  # at most one read a second
-        await self.admission.admit(req.request_id, self._usable_replica_ids, priority)
+        with tracing.span("admission", {tracing.ATTR_PRIORITY: priority}) \
+                if self.settings.max_inflight_per_replica is not None else tracing.NO_SPAN:
+            await self.admission.admit(req.request_id, self._usable_replica_ids, priority)
         try:  # route_request ends the admission's hold once the decision has reserved
             for attempt in (1, 2):
-                dispatch = attempt_cls(self, req, route)
+                dispatch = attempt_cls(self, req, route, attempt)
                 head, body = await self._try(dispatch, retry_left=attempt == 1)
                 resp = await self._outcome(dispatch, head, body, attempt)
                 if resp is not None:
@@ -392,6 +401,8 @@ class IngressCore:
             logger.warning("replica %s failed before the first byte (%s %s); retrying on "
                            "another replica", dispatch.replica, head.status, head.error)
             metrics.inc("retries", tags={"reason": f"status_{head.status}"})
+            if dispatch.span is not None:
+                dispatch.span.set_attribute(tracing.ATTR_RETRIED, True)
             if dispatch.replica:
                 req.excluded_replicas.append(dispatch.replica)
             await dispatch.close()
@@ -461,6 +472,14 @@ class IngressCore:
                         else "serve"})
         if req.routing_s is not None:  # W3C Server-Timing: the router's own time
             headers["server-timing"] = f"routing;dur={req.routing_s * 1e3:.3f}"
+        if dispatch.parent is not None:  # the request's span: who served it, and why
+            dispatch.parent.set_attributes({
+                tracing.ATTR_REPLICA: dispatch.replica,
+                tracing.ATTR_REASON: headers["x-routing-reason"],
+                tracing.ATTR_PREDICTED: head.predicted_cached_tokens,
+                tracing.ATTR_POLICY: headers["x-routing-policy"],
+                tracing.ATTR_DATA_PATH: headers["x-data-path"],
+                tracing.ATTR_ATTEMPT: dispatch.attempt})
         if dispatch.streaming:
             headers.pop("content-type", None)
             return GuardedStreamingResponse(dispatch, status_code=head.status,
@@ -558,6 +577,8 @@ def resolve_priority(header: str | None, tenant: Tenant | None) -> int:
 def build_fastapi_app() -> FastAPI:
     """The FastAPI app; its routes delegate to ``Ingress`` (set as ``app.state.ingress``)."""
     app = FastAPI(title="prefix-router", version="0.1.0")
+    # the server span of each inference request, while tracing is on (router.tracing)
+    app.add_middleware(tracing.TracingMiddleware, paths=(CHAT_PATH, COMPLETIONS_PATH))
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(request: Request, exc: OpenAIError):

@@ -45,6 +45,9 @@ class RoutedRequest:
             or ``max_tokens``, times ``n``; 0 when it names none), for tenants' token limits.
         session_key: its session's key (``router.routing.sessions.session_key``), or None.
         lora_name: the LoRA adapter its ``model`` names (``Settings.lora_adapters``), or None.
+        trace_headers: while tracing is on, the headers that carry the attempt's trace
+            context (``traceparent``...), which the replica sends its engine with the body;
+            None otherwise (``router.tracing``).
     """
 
     request_id: str
@@ -64,6 +67,7 @@ class RoutedRequest:
     session_key: str | None = None
     lora_name: str | None = None
     routing_s: float | None = None
+    trace_headers: dict[str, str] | None = None
 
 
 # Response headers of the engine that describe its own connection to the proxy, not the
