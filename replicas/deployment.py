@@ -30,6 +30,7 @@ from router.config import Settings
 from router.hashing import BlockHasher
 from router.index.base import IndexUnavailable
 from router.kv_events.feed import EventFeed
+from router.kv_events.subscriber import subscriber_endpoint
 from router.logs import get_logger
 from router.routing.replica import ReplicaMetadata, RoutingStats
 from router.serve.protocol import HOP_HEADERS, ReplicaHead, RoutedRequest
@@ -78,7 +79,8 @@ class EngineReplica:
         self.lora_adapters = self.settings.adapters_for(rank, world)
         self.device = _detect_device(self.settings.device)
         self.ports = EnginePorts.allocate(f"{self.replica_id}-{os.getpid()}",
-                                          self.settings.kv_events_dir)
+                                          self.settings.kv_events_dir,
+                                          tcp=self.settings.engine_serves_other_nodes)
         self.engine = EngineProcess(self.settings, self.ports, topic=self.replica_id,
                                     device=self.device, lora_adapters=self.lora_adapters)
         self.restarts = 0
@@ -94,7 +96,9 @@ class EngineReplica:
         # With Redis this replica writes its engine's events to the shared index; without,
         # the router consumes them itself and this feed only watches liveness.
         self.index = make_index(self.settings) if self.settings.redis_url else None
-        self.feed = EventFeed(self.replica_id, self.ports.kv_events, self.ports.kv_replay,
+        self.feed = EventFeed(self.replica_id,
+                              subscriber_endpoint(self.ports.kv_events, "127.0.0.1"),
+                              subscriber_endpoint(self.ports.kv_replay, "127.0.0.1"),
                               self.index)
         self.feed.health.grace_s = self.settings.kv_events_grace_s
         self.feed.start()
@@ -107,8 +111,10 @@ class EngineReplica:
         ip = _node_ip()
         return ReplicaMetadata(
             replica_id=self.replica_id, engine=self.settings.engine, node_ip=ip,
-            engine_url=self.engine.advertised_url(ip), kv_events_endpoint=self.ports.kv_events,
-            kv_replay_endpoint=self.ports.kv_replay or "", kv_events_topic=self.replica_id,
+            engine_url=self.engine.advertised_url(ip),
+            kv_events_endpoint=subscriber_endpoint(self.ports.kv_events, ip),
+            kv_replay_endpoint=subscriber_endpoint(self.ports.kv_replay, ip),
+            kv_events_topic=self.replica_id,
             model=self.settings.served_model_name, device=self.device,
             hash_probe=self.hash_probe, hash_settings=self.settings.hash_settings.as_dict(),
             lora_adapters=[a.name for a in self.lora_adapters],

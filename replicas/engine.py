@@ -67,15 +67,19 @@ def _has_weights(model_dir: str) -> bool:
 
 @dataclass
 class EnginePorts:
-    """Where the engine listens: its HTTP port (loopback) and its KV-event publisher and
-    replay endpoints (ZMQ, bound by the engine).
+    """Where the engine listens: its HTTP port and its KV-event publisher and replay
+    endpoints (ZMQ, bound by the engine).
 
-    The KV-event endpoints are ``ipc://`` sockets by default: vLLM binds an ``ipc://``
-    endpoint (it binds only ``*``, ``::``, ``ipc://`` or ``inproc://`` ones and connects
-    otherwise, reference section 4.2), each engine gets its own name so two never clash,
-    and nothing is exposed beyond the host. Without a directory they are in Linux's
-    abstract socket namespace (``ipc://@name``): no file is created, so an engine that dies
-    with its replica leaves none behind.
+    The KV-event endpoints are ``ipc://`` sockets for an engine private to its node (the
+    default, ``engine_host`` on loopback): vLLM binds an ``ipc://`` endpoint (it binds only
+    ``*``, ``::``, ``ipc://`` or ``inproc://`` ones and connects otherwise, reference
+    section 4.2), each engine gets its own name so two never clash, and nothing is exposed
+    beyond the host. Without a directory they are in Linux's abstract socket namespace
+    (``ipc://@name``): no file is created, so an engine that dies with its replica leaves
+    none behind. An engine that serves other nodes (``engine_host`` not loopback) publishes
+    on TCP instead, ``tcp://*:<port>`` (every interface, as its HTTP server), so that
+    routers on other nodes can subscribe: ``ipc://`` reaches only processes of one host.
+    Subscribers connect to ``subscriber_endpoint(endpoint, host)``.
     """
 
     http: int
@@ -83,9 +87,14 @@ class EnginePorts:
     kv_replay: str
 
     @classmethod
-    def allocate(cls, name: str, directory: str | None = None) -> "EnginePorts":
-        """A free HTTP port and per-engine IPC endpoints: socket files under ``directory``,
-        or abstract sockets (no file) without one."""
+    def allocate(cls, name: str, directory: str | None = None,
+                 tcp: bool = False) -> "EnginePorts":
+        """A free HTTP port and per-engine event endpoints: TCP ports on every interface
+        with ``tcp``, else IPC socket files under ``directory``, or abstract sockets (no
+        file) without one."""
+        if tcp:
+            return cls(http=free_port(), kv_events=f"tcp://*:{free_port('0.0.0.0')}",
+                       kv_replay=f"tcp://*:{free_port('0.0.0.0')}")
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
         if directory:
             d = Path(directory)

@@ -358,6 +358,7 @@ def engine_deployment(settings: Settings):
         **scale,
         ray_actor_options=resources,
         max_ongoing_requests=settings.max_ongoing_requests,
+        max_replicas_per_node=settings.max_replicas_per_node,
         health_check_period_s=5,
         health_check_timeout_s=30,
         graceful_shutdown_timeout_s=settings.drain_timeout_s + 30,  # the drain, then the stop

@@ -160,9 +160,15 @@ class Settings(BaseSettings):
                               "chunk). docs/benchmarks.md measures both.")
     engine_host: str = Field(
         "127.0.0.1", description="Address each engine's HTTP server binds. Loopback keeps "
-                                 "engines private to their node; with 'direct' and ingress "
-                                 "processes on other nodes, bind 0.0.0.0 (the replica then "
-                                 "advertises its node's IP).")
+                                 "engines private to their node (KV events over ipc://); on a "
+                                 "cluster of several nodes bind 0.0.0.0: the replica then "
+                                 "advertises its node's IP, and its engine publishes KV "
+                                 "events on TCP ports of every interface, so routers on any "
+                                 "node reach both.")
+    max_replicas_per_node: Optional[int] = Field(
+        None, ge=1, description="Serve's max_replicas_per_node for the engine deployment: at "
+                                "most this many engine replicas on one node (1 spreads them "
+                                "one per node). Default: no limit.")
     kv_events_dir: Optional[str] = Field(
         None, description="Directory of the engines' KV-event IPC socket files (one publisher "
                           "and one replay socket per engine); default: none, Linux's "
@@ -421,6 +427,19 @@ class Settings(BaseSettings):
                 "each engine at that bound, so the autoscaler would never see more and never "
                 "scale out while requests wait")
         return self
+
+    @property
+    def engine_serves_other_nodes(self) -> bool:
+        """Whether engines bind beyond loopback (``engine_host``), and so publish their KV
+        events on TCP for routers on other nodes (``replicas.engine.EnginePorts``)."""
+        import ipaddress
+        host = self.engine_host.strip("[]")
+        if host == "localhost":
+            return False
+        try:
+            return not ipaddress.ip_address(host).is_loopback
+        except ValueError:  # a host name: reached from elsewhere
+            return True
 
     @property
     def hash_settings(self) -> HashSettings:

@@ -365,3 +365,27 @@ async def test_a_failed_index_write_is_counted_and_observes_no_apply_lag(tmp_pat
 
 async def _has(values, n):
     return len(values) >= n
+
+
+def test_a_wildcard_tcp_publisher_is_reached_at_its_nodes_address():
+    from router.kv_events.subscriber import subscriber_endpoint
+    assert subscriber_endpoint("tcp://*:5557", "10.0.0.7") == "tcp://10.0.0.7:5557"
+    assert subscriber_endpoint("tcp://[::]:5557", "fd00::7") == "tcp://[fd00::7]:5557"
+    assert subscriber_endpoint("tcp://0.0.0.0:5557", "127.0.0.1") == "tcp://127.0.0.1:5557"
+    assert subscriber_endpoint("tcp://10.0.0.9:5557", "10.0.0.7") == "tcp://10.0.0.9:5557"
+    assert subscriber_endpoint("ipc://@prefix-router-r1-kv", "10.0.0.7") \
+        == "ipc://@prefix-router-r1-kv"
+
+
+def test_an_engine_that_serves_other_nodes_publishes_its_events_on_tcp():
+    from replicas.engine import EnginePorts
+    from router.config import Settings
+    assert not Settings(engine_host="127.0.0.1").engine_serves_other_nodes
+    assert not Settings(engine_host="localhost").engine_serves_other_nodes
+    assert not Settings(engine_host="::1").engine_serves_other_nodes
+    assert Settings(engine_host="0.0.0.0").engine_serves_other_nodes
+    assert Settings(engine_host="10.1.2.3").engine_serves_other_nodes
+    ports = EnginePorts.allocate("r1", tcp=True)
+    assert ports.kv_events.startswith("tcp://*:") and ports.kv_replay.startswith("tcp://*:")
+    assert ports.kv_events != ports.kv_replay
+    assert EnginePorts.allocate("r1").kv_events.startswith("ipc://@")

@@ -23,6 +23,23 @@ logger = get_logger(__name__)
 _END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 
+def subscriber_endpoint(endpoint: str, host: str) -> str:
+    """Where a subscriber connects for a publisher bound at ``endpoint``: a wildcard TCP
+    bind (``tcp://*:5557``, ``tcp://[::]:5557``) is reached at ``tcp://<host>:5557``;
+    ``ipc://`` endpoints and explicit TCP addresses are returned unchanged.
+
+    Args:
+        endpoint: the engine's bind endpoint, as given to its ``--kv-events-config``.
+        host: an address of the engine's node, as seen by the subscriber (an IPv6 address
+            is bracketed).
+    """
+    for wildcard in ("tcp://*:", "tcp://[::]:", "tcp://0.0.0.0:"):
+        if endpoint.startswith(wildcard):
+            h = f"[{host}]" if ":" in host and not host.startswith("[") else host
+            return f"tcp://{h}:{endpoint[len(wildcard):]}"
+    return endpoint
+
+
 async def replay(ctx: zmq.asyncio.Context, endpoint: str, start_seq: int,
                  timeout_s: float = 2.0) -> list[tuple[str, int, bytes]]:
     """Fetch buffered batches with ``seq >= start_seq`` from an engine's replay endpoint.
