@@ -25,4 +25,21 @@ if [ ! -f "$stamp" ]; then
   rm -f .venv/.installed-*
   touch "$stamp"
 fi
+# Prometheus for tests/integration/test_dashboard.py (the test starts its own server): from
+# apt when missing and we are root; the package's own service is stopped and disabled.
+if ! command -v prometheus >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
+    && command -v apt-get >/dev/null 2>&1; then
+  echo "installing prometheus (apt)"
+  if DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus \
+      >/dev/null || { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -q --no-install-recommends prometheus >/dev/null; }; then
+    if command -v systemctl >/dev/null 2>&1 && [ -d /run/systemd/system ]; then
+      systemctl disable --now prometheus >/dev/null 2>&1 || true
+    else
+      service prometheus stop >/dev/null 2>&1 || true
+    fi
+  else
+    echo "prometheus could not be installed: tests/integration/test_dashboard.py will skip" >&2
+  fi
+fi
 .venv/bin/python deploy/make_model.py >/dev/null
