@@ -16,7 +16,6 @@ exhausted ``check_health`` fails so Ray Serve replaces the replica.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import time
 from typing import Any, AsyncIterator
@@ -25,9 +24,8 @@ import httpx
 from ray import serve
 
 from replicas.engine import EnginePorts, EngineProcess, EngineStartError
-from replicas.engine_metrics import PrefillRateEstimator, parse_engine_metrics
+from replicas.watch import EngineWatch
 from router.config import Settings
-from router.hashing import BlockHasher
 from router.index.base import IndexUnavailable
 from router.kv_events.feed import EventFeed
 from router.kv_events.subscriber import subscriber_endpoint
@@ -91,7 +89,6 @@ class EngineReplica:
             base_url=self.engine.url,
             timeout=httpx.Timeout(self.settings.request_timeout_s, connect=5.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
-        self.rate = PrefillRateEstimator(self.settings.prefill_tokens_per_s)
         self.stats = RoutingStats()
         # With Redis this replica writes its engine's events to the shared index; without,
         # the router consumes them itself and this feed only watches liveness.
@@ -102,7 +99,10 @@ class EngineReplica:
                               self.index)
         self.feed.health.grace_s = self.settings.kv_events_grace_s
         self.feed.start()
-        self.hash_probe = await self._probe_hashes()
+        self.watch = EngineWatch(self.replica_id, self.settings, self.client, self.feed)
+        self.hash_probe = await self.watch.probe_hashes()
+        if self.hash_probe == "mismatch":
+            logger.error("replica %s: the router will refuse this replica", self.replica_id)
         self._monitor = asyncio.get_running_loop().create_task(self._watch_engine())
 
     # --- Serve hooks -------------------------------------------------------------------
@@ -199,64 +199,10 @@ class EngineReplica:
 
     # --- supervision -------------------------------------------------------------------
     async def _scrape(self) -> None:
-        try:
-            r = await self.client.get("/metrics", timeout=2.0)
-            snap = parse_engine_metrics(r.text)
-            self.feed.health.on_engine_counters(
-                snap.computed_prompt_tokens_total, snap.requests_finished_total,
-                snap.running + snap.waiting, self.settings.block_size, time.time())
-        except Exception as exc:
-            self.stats = dataclasses.replace(self.stats, scrape_error=type(exc).__name__,
-                                             engine_alive=self.engine.alive())
-            return
-        self.stats = RoutingStats(
-            prefill_tokens_per_s=self.rate.update(snap), prefill_rate_measured=self.rate.measured,
-            kv_events_live=self.feed.health.live(time.time()), kv_event_batches=self.feed.batches,
-            kv_event_gaps=self.feed.subscriber.gaps, kv_event_lag_s=self.feed.health.lag_s(),
-            index_dirty=self.feed.dirty,
+        self.stats = await self.watch.scrape(
+            engine_alive=self.engine.alive(),
             engine_pid=self.engine.proc.pid if self.engine.proc else None,
-            running=snap.running, waiting=snap.waiting, kv_usage_frac=snap.kv_usage_frac,
-            engine_alive=self.engine.alive(), restarts=self.restarts,
-            output_tokens_total=snap.generation_tokens_total,
-            requests_finished_total=snap.requests_finished_total)
-        from router import metrics
-        metrics.record_engine_load(self.replica_id, snap.running, snap.waiting,
-                                   snap.kv_usage_frac)
-
-    async def _probe_hashes(self, timeout_s: float = 5.0) -> str:
-        """Send a probe prompt and compare the engine's ``BlockStored`` hashes with ours.
-
-        Returns ``"ok"``, ``"mismatch"`` (the engine hashes differently: logged loudly, and
-        the router refuses the replica), or ``"no_events"`` (none arrived: approximate mode).
-        """
-        import random
-        bs = self.settings.block_size
-        rng = random.Random(self.replica_id)
-        ids = [rng.randrange(100, 4000) for _ in range(2 * bs + 1)]
-        expected = BlockHasher(self.settings.hash_settings).block_hashes(ids)
-        before = self.feed.batches
-        try:
-            r = await self.client.post("/v1/completions", timeout=60.0, json={
-                "model": self.settings.served_model_name, "prompt": ids, "max_tokens": 1})
-            r.raise_for_status()
-        except httpx.HTTPError as exc:
-            logger.error("hash probe of replica %s could not run: %s", self.replica_id, exc)
-            return "no_events"
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            held = self.feed.record.exact_entries(self.replica_id)
-            if all(h in held for h in expected):
-                return "ok"
-            await asyncio.sleep(0.05)
-        if self.feed.batches > before:
-            logger.error(
-                "replica %s: its engine's block hashes differ from the router's for the same "
-                "tokens (settings %s); the router will refuse this replica",
-                self.replica_id, self.settings.hash_settings.as_dict())
-            return "mismatch"
-        logger.error("replica %s: its engine published no KV events within %.0f s; routing "
-                     "for it uses predicted entries only", self.replica_id, timeout_s)
-        return "no_events"
+            restarts=self.restarts)
 
     async def _watch_engine(self) -> None:
         silent_logged = False

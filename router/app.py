@@ -92,9 +92,19 @@ class Ingress:
         self.core = IngressCore(self.settings, engine_handle)
         self.engine_handle = engine_handle
         self._status_cache: tuple[float, dict | None] | None = None
+        self.fleet = None
+        if self.settings.external_engines or self.settings.external_engines_file:
+            from replicas.external import ExternalFleet
+            self.fleet = ExternalFleet(
+                self.settings, state.make_index(self.settings),
+                on_removed=self.core.routing_core().forget_replica,
+                publish=lambda infos: state.put("external_replicas", infos))
+            self.fleet.start()
         # The handle creates its router on first use; one call makes it learn the replica
-        # set now, so /health and the 503 check know the replica count before traffic.
-        self._warmup = asyncio.get_event_loop().create_task(self._warm_up())
+        # set now, so /health and the 503 check know the replica count before traffic. With
+        # no engine replica in Ray (external engines only) the call would wait forever.
+        self._warmup = asyncio.get_event_loop().create_task(self._warm_up()) \
+            if self.settings.most_replicas > 0 else None
 
     async def _warm_up(self) -> None:
         try:
@@ -196,8 +206,9 @@ class Ingress:
         n = state.replica_count()
         alive = sum(1 for i in state.replica_infos() or ()
                     if i.stats.engine_alive)
-        configured = self.settings.configured_replicas
-        ready = n is not None and alive >= configured
+        configured = self.settings.configured_replicas + \
+            (len(self.fleet.replicas) if self.fleet is not None else 0)
+        ready = n is not None and alive >= max(configured, 1)
         status = ("starting" if n is None else "no replicas" if n == 0 else
                   "ok" if ready else "degraded")
         body: dict[str, Any] = {"status": status, "ready": ready, "replicas": n,
@@ -243,6 +254,12 @@ class Ingress:
                         "circuit_open": health.is_open(r.replica_id.unique_id),
                         "drained": r.replica_id.unique_id in drained,
                         "hash_mismatch": hash_mismatches(hs, ReplicaMetadata.from_dict(md))})
+        for info in state.peek("external_replicas") or ():  # engines reached by URL
+            out.append({"replica_id": info.replica_id, "metadata": info.metadata.to_dict(),
+                        "routing_stats": info.stats.to_dict(),
+                        "circuit_open": health.is_open(info.replica_id),
+                        "drained": info.replica_id in drained, "external": True,
+                        "hash_mismatch": hash_mismatches(hs, info.metadata)})
         return JSONResponse({"replicas": out})
 
     @fastapi_app.post("/admin/replicas/{replica_id}/drain")
@@ -264,7 +281,7 @@ class Ingress:
         from router.index.base import IndexUnavailable
 
         self.keys.authorize_admin(request.headers.get("authorization"))
-        if replica_id not in (state.peek("replica_ids") or ()):
+        if replica_id not in (state.replica_ids() or ()):
             raise OpenAIError(404, f"no engine replica {replica_id!r} (GET /replicas lists "
                                    "them)", "NotFoundError", "replica_id")
         drains = state.make_drains(self.settings)

@@ -54,6 +54,43 @@ class LoraAdapter(BaseModel):
         return (rank - index * self.replicas) % world_size < self.replicas
 
 
+class ExternalEngine(BaseModel):
+    """An engine that runs outside Ray (on Kubernetes, on other hosts) and that the router
+    reaches by URL: a vLLM OpenAI server, or any OpenAI-compatible server in predicted mode.
+    A bare string is taken as its ``url``.
+
+    Attributes:
+        url: its OpenAI server's base URL, ``http(s)://host:port``.
+        kv_events_endpoint: its ZMQ publisher, as the router connects to it
+            (``tcp://host:port``; vLLM's ``--kv-events-config`` ``endpoint`` bound as
+            ``tcp://*:port``). None: it publishes no events, and routing for it uses the
+            router's predicted entries only.
+        kv_replay_endpoint: its replay socket (``tcp://host:port``), or None.
+        name: the replica id it is routed and reported by; default ``ext-`` and a digest of
+            its URL (the same in every router process).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str = Field(pattern=r"^https?://[^/\s]+/?$")
+    kv_events_endpoint: Optional[str] = Field(None, pattern=r"^tcp://\S+:\d+$")
+    kv_replay_endpoint: Optional[str] = Field(None, pattern=r"^tcp://\S+:\d+$")
+    name: Optional[str] = Field(None, pattern=r"^[A-Za-z0-9._-]{1,64}$")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_url(cls, value: Any) -> Any:
+        return {"url": value} if isinstance(value, str) else value
+
+    @property
+    def replica_id(self) -> str:
+        """The id the router routes it by (``name``, else ``ext-`` and 10 hex digits of
+        the SHA-256 of its URL)."""
+        import hashlib
+        digest = hashlib.sha256(self.url.rstrip("/").encode()).hexdigest()
+        return self.name or "ext-" + digest[:10]
+
+
 class Settings(BaseSettings):
     """All settings of the router, the ingress and the replicas.
 
@@ -165,6 +202,19 @@ class Settings(BaseSettings):
                                  "advertises its node's IP, and its engine publishes KV "
                                  "events on TCP ports of every interface, so routers on any "
                                  "node reach both.")
+    external_engines: list[ExternalEngine] = Field(
+        default_factory=list,
+        description="Engines outside Ray that the router reaches by URL, beside (or, with "
+                    "num_replicas 0, instead of) the engine replicas Ray runs: each a URL, "
+                    "or {url, kv_events_endpoint, kv_replay_endpoint, name}. Without an events endpoint, routing for it uses predicted "
+                    "entries only. Direct data path only.")
+    external_engines_file: Optional[str] = Field(
+        None, description="A YAML or JSON file holding a list like external_engines, read "
+                          "again whenever it changes (checked every external_engines_poll_s): "
+                          "engines added there join the fleet, engines removed leave it.")
+    external_engines_poll_s: float = Field(
+        2.0, gt=0, description="How often the external engines are health-checked and "
+                               "scraped, and their file checked for changes (s).")
     max_replicas_per_node: Optional[int] = Field(
         None, ge=1, description="Serve's max_replicas_per_node for the engine deployment: at "
                                 "most this many engine replicas on one node (1 spreads them "
@@ -395,8 +445,8 @@ class Settings(BaseSettings):
         # A relative directory is the caller's (serve run's working directory): made absolute
         # here, so the replicas' processes, started elsewhere, find the same one. A name that
         # is no local path (a model hub id) is left as it is, unless it is to be generated.
-        for name in ("model", "tokenizer", "api_keys_file", "redis_tls_ca_file",
-                     "redis_tls_cert_file", "redis_tls_key_file"):
+        for name in ("model", "tokenizer", "api_keys_file", "external_engines_file",
+                     "redis_tls_ca_file", "redis_tls_cert_file", "redis_tls_key_file"):
             value = getattr(self, name)
             if value and not Path(value).is_absolute() and (
                     Path(value).exists() or (name == "model" and self.generate_model_shape)):
@@ -440,6 +490,12 @@ class Settings(BaseSettings):
             return not ipaddress.ip_address(host).is_loopback
         except ValueError:  # a host name: reached from elsewhere
             return True
+        if (self.external_engines or self.external_engines_file) and self.data_path != "direct":
+            raise ValueError("external_engines are reached on the direct data path only: a "
+                             "Serve handle reaches only the engine replicas Ray runs")
+        ids = [e.replica_id for e in self.external_engines]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"external_engines need URLs and names of their own: {ids}")
 
     @property
     def hash_settings(self) -> HashSettings:

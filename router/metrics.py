@@ -188,9 +188,12 @@ def record_engine_load(replica: str, running: float, waiting: float,
 
 
 # Gauges that are each router's view of the whole fleet: summing them over router
-# processes would count one replica once per router, so they aggregate otherwise.
+# processes would count one replica once per router, so they aggregate otherwise. An
+# engine's own figures are set by its Ray replica alone, or, for an engine reached by URL,
+# by every router process that watches it: the same value, kept once.
 _FLEET_VIEW_GAUGES = {"router_replicas_without_kv_events": max, "router_index_entries": max,
-                      "router_replica_hash_mismatch": max, "router_index_available": min}
+                      "router_replica_hash_mismatch": max, "router_index_available": min,
+                      "router_engine_requests": max, "router_engine_kv_cache_usage": max}
 
 # Labels Ray's exporter adds per process; dropping them sums a series over processes.
 _PROCESS_LABELS = {"WorkerId", "Component", "SessionName", "Version", "NodeAddress", "JobId",

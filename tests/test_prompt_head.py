@@ -12,15 +12,16 @@ import pytest
 from router.config import Settings
 from router.prompt.render import CHAT_PATH, COMPLETIONS_PATH
 from router.serve import state
+from router.routing.replica import ReplicaInfo
 from router.serve.ingress import IngressCore
 from tests.conftest import make_text
 
 
 @pytest.fixture
 def replicas():
-    state.put("replica_ids", frozenset({"replica-a", "replica-b"}))
+    state.put("replica_infos", (ReplicaInfo("replica-a"), ReplicaInfo("replica-b")))
     yield
-    state.put("replica_ids", None)
+    state.put("replica_infos", None)
 
 
 def _body(path: str, doc: str, question: str) -> bytes:

@@ -95,7 +95,6 @@ async def router(engines, model_dir, monkeypatch, request):
     policy = getattr(request, "param", "prefix_aware")
     infos = tuple(ReplicaInfo(r, {"engine_url": s.url}, {"engine_alive": True})
                   for r, s in engines.items())
-    state.put("replica_ids", frozenset(engines))
     state.put("replica_infos", infos)
     core = IngressCore(Settings(model=str(model_dir), policy=policy,
                                 index_namespace=f"tracing-{time.monotonic_ns()}"),
@@ -121,7 +120,6 @@ async def router(engines, model_dir, monkeypatch, request):
     for s in engines.values():
         s.faults(error_status=0, error_count=-1)
     state.put("replica_infos", None)
-    state.put("replica_ids", None)
 
 
 def chat(text: str, **extra) -> dict:

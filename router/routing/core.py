@@ -554,11 +554,17 @@ class RoutingCore:
             await self.record(replica.replica_id, block_hashes, self.predicted_ttl_s(replica))
 
     async def remove_replica(self, replica: str) -> None:
-        """Purge a replica that left the deployment from the index and the load tracker."""
+        """Purge a replica that left the deployment from the index (leaving its tombstone)
+        and from everything ``forget_replica`` clears."""
         try:
             await self.index.remove_replica(replica)
         except IndexUnavailable as exc:
             self._index_error(exc, "remove_replica")
+        await self.forget_replica(replica)
+
+    async def forget_replica(self, replica: str) -> None:
+        """Drop a replica that left from the load tracker, this router's recent decisions,
+        the drained set and the circuit breakers (its index entries are the caller's)."""
         await self.load.remove_replica(replica)
         self.recent.remove_replica(replica)
         if self.drains is not None:

@@ -134,7 +134,7 @@ class IngressCore:
         gauge = metrics.get("inflight")
         while True:
             await asyncio.sleep(period_s)
-            current = state.peek("replica_ids")
+            current = state.replica_ids()
             for replica, n in list(self.inflight.items()):
                 gauge.set(n, tags={"replica": replica})
                 if current is not None and replica not in current and n == 0:
@@ -274,7 +274,7 @@ class IngressCore:
         """Whether some replica holds every block of a prompt's head (exact or predicted
         entries), so that its match may go on past the head. True when the replicas are not
         known yet; False when the index fails (routing then falls back to load anyway)."""
-        replicas = state.peek("replica_ids")
+        replicas = state.replica_ids()
         if not replicas or not head_hashes:
             return True
         try:

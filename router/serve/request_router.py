@@ -49,7 +49,6 @@ class PrefixCacheRequestRouter(RequestRouter):
         self._core: RoutingCore | None = None
         self._known: set[str] = set()
         self._feeds: dict = {}
-        state.put("replica_ids", None)
         state.put("replica_infos", None)
 
     def _routing_core(self) -> RoutingCore:
@@ -112,7 +111,6 @@ class PrefixCacheRequestRouter(RequestRouter):
     def update_replicas(self, replicas: List[RunningReplica]) -> None:
         super().update_replicas(replicas)
         ids = {r.replica_id.unique_id for r in replicas}
-        state.put("replica_ids", frozenset(ids))
         # The direct data path decides in the ingress, from this snapshot (Serve calls this
         # on every replica-set or routing-stats broadcast, on the router's own loop).
         state.put("replica_infos", tuple(replica_info(r) for r in replicas))

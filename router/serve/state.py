@@ -39,10 +39,16 @@ def put(key: str, obj: Any) -> None:
 
 
 def replica_count() -> int | None:
-    """Engine replicas the Ray router knows (``replica_ids``, put by
-    ``router.serve.request_router``), or None before it has heard of any replica set."""
-    ids = peek("replica_ids")
+    """Engine replicas to route among (``replica_ids``), or None before any replica set
+    is known."""
+    ids = replica_ids()
     return None if ids is None else len(ids)
+
+
+def replica_ids() -> frozenset[str] | None:
+    """The ids of ``replica_infos``, or None before any replica set is known."""
+    infos = replica_infos()
+    return None if infos is None else frozenset(i.replica_id for i in infos)
 
 
 def redis_connections(settings: Settings):
@@ -143,10 +149,15 @@ def make_session_store(settings: Settings):
 
 
 def replica_infos():
-    """The engine replicas as the Ray router last heard of them (a tuple of
-    ``router.routing.replica.ReplicaInfo``, put by ``router.serve.request_router``), or None before it
-    has heard of any replica set."""
-    return peek("replica_infos")
+    """The engine replicas to route among (a tuple of ``router.routing.replica.ReplicaInfo``):
+    those Ray runs, as the Ray router last heard of them (``replica_infos``, put by
+    ``router.serve.request_router``), then the engines reached by URL
+    (``external_replicas``, put by ``replicas.external.ExternalFleet``); None before either
+    is known."""
+    serve, external = peek("replica_infos"), peek("external_replicas")
+    if external is None:
+        return serve
+    return tuple(serve or ()) + tuple(external)
 
 
 def replica_health():

@@ -8,7 +8,6 @@ tokenization drift).
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 
@@ -16,9 +15,8 @@ import httpx
 import pytest
 import zmq
 
-from replicas.engine import EnginePorts, EngineProcess
-from router.config import Settings
 from router.hashing import BlockHasher, HashSettings
+from router.kv_events.subscriber import subscriber_endpoint
 from router.kv_events.wire import decode_batch
 from router.prompt.render import CHAT_PATH, COMPLETIONS_PATH, PromptRenderer
 from tests.conftest import make_text, wait_until
@@ -56,20 +54,14 @@ class EventLog:
 
 
 @pytest.fixture(scope="module")
-def engine(model_dir):
-    settings = Settings(model=str(model_dir), max_model_len=8192)
-    ports = EnginePorts.allocate("parity-test")
-    proc = EngineProcess(settings, ports, topic="parity", device="cpu")
-    loop = asyncio.new_event_loop()  # the process's watcher lives on this loop
-    loop.run_until_complete(proc.start())
-    log = EventLog(ports.kv_events)
+def engine(standalone_engine):
+    proc, ports = standalone_engine
+    log = EventLog(subscriber_endpoint(ports.kv_events, "127.0.0.1"))
     time.sleep(0.5)
     client = httpx.Client(base_url=proc.url, timeout=120)
     yield proc, client, log
     log.close()
     client.close()
-    loop.run_until_complete(proc.stop())
-    loop.close()
 
 
 @pytest.fixture(scope="module")

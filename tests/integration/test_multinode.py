@@ -131,6 +131,11 @@ def two_nodes():
         subprocess.run(["ip", "netns", "del", netns], capture_output=True)
         subprocess.run(["ip", "link", "del", f"{veth}h"], capture_output=True)
         shutil.rmtree(temp_dir, ignore_errors=True)
+        # `ray start` records the cluster for later ray.init() calls without an address;
+        # a record of this one, gone, must not send them to it
+        record = Path("/tmp/ray/ray_current_cluster")
+        if record.exists() and record.read_text().strip() == f"{head_ip}:{gcs_port}":
+            record.unlink()
 
 
 def test_engines_on_two_nodes_are_routed_exactly_from_their_kv_events_over_tcp(

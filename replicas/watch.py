@@ -1,0 +1,127 @@
+"""Watching a running engine from outside its process: its metrics, its hashing, its events.
+
+One ``EngineWatch`` per engine, shared by the two ways an engine joins the fleet: the Ray
+Serve replica that supervises its own engine (``replicas.deployment.EngineReplica``) and an
+engine that runs elsewhere and is reached by URL (``replicas.external``). It scrapes the
+engine's Prometheus ``/metrics`` into the ``RoutingStats`` the router reads (load, measured
+prefill rate, liveness of the KV events), and probes once whether the engine hashes blocks
+as the router does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import time
+
+import httpx
+
+from replicas.engine_metrics import PrefillRateEstimator, parse_engine_metrics
+from router.config import Settings
+from router.hashing import BlockHasher
+from router.kv_events.feed import EventFeed
+from router.logs import get_logger
+from router.routing.replica import RoutingStats
+
+logger = get_logger(__name__)
+
+
+class EngineWatch:
+    """The router's view of one engine: its ``RoutingStats``, refreshed by ``scrape``.
+
+    Args:
+        replica_id: the id the router routes by.
+        settings: the deployment's settings (block size, hash settings, served model name,
+            initial prefill rate, KV-event grace).
+        client: an HTTP client whose ``base_url`` is the engine's OpenAI server.
+        feed: the engine's KV-event feed (started by the caller), or None for an engine
+            that publishes no events (its stats then say ``kv_events_live=False``).
+    """
+
+    def __init__(self, replica_id: str, settings: Settings, client: httpx.AsyncClient,
+                 feed: EventFeed | None):
+        self.replica_id = replica_id
+        self.settings = settings
+        self.client = client
+        self.feed = feed
+        self.rate = PrefillRateEstimator(settings.prefill_tokens_per_s)
+        self.stats = RoutingStats()
+
+    async def scrape(self, *, engine_alive: bool, engine_pid: int | None = None,
+                     restarts: int | None = None) -> RoutingStats:
+        """Scrape the engine's ``/metrics`` (2 s timeout) into ``self.stats``, and return it.
+
+        A failed scrape keeps the last figures and records its error and ``engine_alive``.
+
+        Args:
+            engine_alive: whether the engine is known to run (its process, or its last
+                health check for an engine the router does not run).
+            engine_pid / restarts: the engine process's id and restarts, when known.
+        """
+        try:
+            r = await self.client.get("/metrics", timeout=2.0)
+            r.raise_for_status()
+            snap = parse_engine_metrics(r.text)
+            if self.feed is not None:
+                self.feed.health.on_engine_counters(
+                    snap.computed_prompt_tokens_total, snap.requests_finished_total,
+                    snap.running + snap.waiting, self.settings.block_size, time.time())
+        except Exception as exc:
+            self.stats = dataclasses.replace(self.stats, scrape_error=type(exc).__name__,
+                                             engine_alive=engine_alive)
+            return self.stats
+        feed = self.feed
+        events = {} if feed is None else dict(
+            kv_events_live=feed.health.live(time.time()), kv_event_batches=feed.batches,
+            kv_event_gaps=feed.subscriber.gaps, kv_event_lag_s=feed.health.lag_s(),
+            index_dirty=feed.dirty)
+        self.stats = RoutingStats(
+            prefill_tokens_per_s=self.rate.update(snap), prefill_rate_measured=self.rate.measured,
+            **({"kv_events_live": False} | events), engine_pid=engine_pid,
+            running=snap.running, waiting=snap.waiting, kv_usage_frac=snap.kv_usage_frac,
+            engine_alive=engine_alive, restarts=restarts,
+            output_tokens_total=snap.generation_tokens_total,
+            requests_finished_total=snap.requests_finished_total)
+        from router import metrics
+        metrics.record_engine_load(self.replica_id, snap.running, snap.waiting,
+                                   snap.kv_usage_frac)
+        return self.stats
+
+    async def probe_hashes(self, timeout_s: float = 5.0) -> str:
+        """Send a probe prompt (``2 * block_size + 1`` token ids, ``max_tokens`` 1) and
+        compare the engine's ``BlockStored`` hashes with the router's.
+
+        Returns:
+            ``"ok"``; ``"mismatch"`` (events came, with other hashes: the engine hashes
+            differently, logged loudly); or ``"no_events"`` (none came within
+            ``timeout_s``, or the probe could not run: predicted entries only).
+        """
+        if self.feed is None:
+            return "no_events"
+        bs = self.settings.block_size
+        rng = random.Random(self.replica_id)
+        ids = [rng.randrange(100, 4000) for _ in range(2 * bs + 1)]
+        expected = BlockHasher(self.settings.hash_settings).block_hashes(ids)
+        before = self.feed.batches
+        try:
+            r = await self.client.post("/v1/completions", timeout=60.0, json={
+                "model": self.settings.served_model_name, "prompt": ids, "max_tokens": 1})
+            r.raise_for_status()
+        except httpx.HTTPError as exc:
+            logger.error("hash probe of replica %s could not run: %s", self.replica_id, exc)
+            return "no_events"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            held = self.feed.record.exact_entries(self.replica_id)
+            if all(h in held for h in expected):
+                return "ok"
+            await asyncio.sleep(0.05)
+        if self.feed.batches > before:
+            logger.error(
+                "replica %s: its engine's block hashes differ from the router's for the same "
+                "tokens (settings %s)", self.replica_id, self.settings.hash_settings.as_dict())
+            return "mismatch"
+        logger.error("replica %s: its engine published no KV events within %.0f s; routing "
+                     "for it uses predicted entries only", self.replica_id, timeout_s)
+        return "no_events"

