@@ -163,12 +163,16 @@ class ExternalFleet:
         on_removed: called with the id of an engine that left the list, after its feed
             stopped (the routing core drops its load fields and its pins).
         publish: called with the engines' records after every poll.
+        lease_s: the feeder lease's TTL (s): how long a router that stopped renewing it
+            keeps the others from writing the engine's events.
     """
 
     def __init__(self, settings: Settings, index: PrefixIndex,
                  on_removed: Callable[[str], Awaitable[None]],
-                 publish: Callable[[tuple[ReplicaInfo, ...]], None]):
+                 publish: Callable[[tuple[ReplicaInfo, ...]], None],
+                 lease_s: float = FEEDER_LEASE_S):
         self.settings = settings
+        self.lease_s = lease_s
         self.index = index
         self.on_removed = on_removed
         self.publish = publish
@@ -272,7 +276,7 @@ class ExternalFleet:
         from router.redis_keys import RedisKeys
 
         keys = RedisKeys(self.settings.index_namespace)
-        ttl_ms = int(FEEDER_LEASE_S * 1000)
+        ttl_ms = int(self.lease_s * 1000)
 
         async def hold(client, key: str) -> bool:
             if await client.set(key, self._me, nx=True, px=ttl_ms):
@@ -293,10 +297,10 @@ class ExternalFleet:
             if mine and r.feed.index is None:
                 logger.info("this router now writes %s's KV events to the index",
                             r.replica_id)
-                r.feed.index = self.index
-                r.feed.dirty = True  # rewrite its entries from this process's record
+                r.feed.set_index(self.index)  # rewritten from this process's record
             elif not mine and r.feed.index is not None:
-                r.feed.index = None
+                logger.info("another router writes %s's KV events now", r.replica_id)
+                r.feed.set_index(None)
 
     def ids(self) -> Sequence[str]:
         """The ids of the engines in the fleet now."""

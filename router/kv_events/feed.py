@@ -172,6 +172,17 @@ class EventFeed:
         if self.pending:
             self._wake.set()
 
+    def set_index(self, index: PrefixIndex | None) -> None:
+        """Write to ``index`` from now on (None: keep the local record and health only).
+        A new index gets the replica's entries rewritten from the record at once: the
+        events before this call were not written there."""
+        if index is self.index:
+            return
+        self.index = index
+        if index is not None:
+            self.dirty = True
+            self._wake.set()
+
     def engine_exited(self) -> None:
         """The engine died: it holds nothing any more. Its exact and predicted entries are
         cleared now, not when a restarted engine's first event arrives (that can be long

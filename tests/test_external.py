@@ -1,0 +1,158 @@
+"""Engines reached by URL (``replicas.external``), against real simulated engines (their own
+processes, KV events on TCP) and the real Redis: the engines file, an engine that hashes
+otherwise (its events ignored), and the one feeder per engine with a shared index."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import uuid
+
+import httpx
+import pytest
+import redis
+
+from replicas.engine import free_port
+from replicas.external import ExternalFleet, read_engines_file
+from router.config import ExternalEngine, Settings
+from router.index.memory import MemoryPrefixIndex
+from router.index.redis import RedisPrefixIndex
+from tests.conftest import REDIS_URL, wait_until
+
+
+class SimProcess:
+    """A simulated engine in a process of its own, publishing KV events on TCP."""
+
+    def __init__(self, model_dir, hash_seed: str = "0"):
+        self.port, pub, rep = free_port(), free_port(), free_port()
+        self.spec = ExternalEngine(url=f"http://127.0.0.1:{self.port}",
+                                   kv_events_endpoint=f"tcp://127.0.0.1:{pub}",
+                                   kv_replay_endpoint=f"tcp://127.0.0.1:{rep}")
+        self.proc = subprocess.Popen([
+            sys.executable, "-m", "replicas.sim.server", "--port", str(self.port),
+            "--model", str(model_dir), "--served-model-name", "tiny-qwen2",
+            "--hash-seed", hash_seed, "--kv-events-config",
+            json.dumps({"endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{rep}"})])
+
+        def up():
+            try:
+                return httpx.get(self.spec.url + "/health", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(up, 60, 0.2, "the simulated engine")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def sims(model_dir):
+    engines = {"same": SimProcess(model_dir), "other": SimProcess(model_dir, hash_seed="7")}
+    yield engines
+    for e in engines.values():
+        e.stop()
+
+
+def _fleet(settings: Settings, index, published: list, **kw) -> ExternalFleet:
+    async def removed(rid: str) -> None:
+        published.append(("removed", rid))
+    return ExternalFleet(settings, index, removed, published.append, **kw)
+
+
+async def test_an_engine_that_hashes_otherwise_is_routed_on_predicted_entries_only(
+        sims, model_dir):
+    index = MemoryPrefixIndex()
+    published: list = []
+    settings = Settings(model=str(model_dir), external_engines=[sims["same"].spec,
+                                                                sims["other"].spec])
+    fleet = _fleet(settings, index, published)
+    try:
+        infos = {i.replica_id: i for i in await fleet.poll()}
+    finally:
+        await fleet.stop()
+    same, other = sims["same"].spec.replica_id, sims["other"].spec.replica_id
+    assert infos[same].metadata.hash_probe == "ok"
+    assert infos[other].metadata.hash_probe == "no_events"
+    assert infos[other].stats.kv_events_live is False  # the long predicted TTL applies
+    assert infos[same].stats.engine_alive and infos[other].stats.engine_alive
+    assert infos[other].metadata.engine_url == sims["other"].spec.url
+    # the probe's blocks are indexed for the engine that hashes alike, none for the other
+    assert index.exact_entries(same) and not index.exact_entries(other)
+    assert published and published[-1] == tuple(infos.values())
+
+
+async def test_one_router_writes_an_engines_events_to_redis_and_another_takes_over(
+        sims, model_dir):
+    ns = f"test-external-{uuid.uuid4().hex[:6]}"
+    spec = sims["same"].spec
+    settings = Settings(model=str(model_dir), external_engines=[spec], redis_url=REDIS_URL,
+                        index_namespace=ns)
+    a = _fleet(settings, RedisPrefixIndex(REDIS_URL, namespace=ns), [], lease_s=1.0)
+    b = _fleet(settings, RedisPrefixIndex(REDIS_URL, namespace=ns), [], lease_s=1.0)
+    rc = redis.Redis.from_url(REDIS_URL)
+    try:
+        await a.poll()
+        await b.poll()
+        writers = [f for f in (a, b) if f.replicas[spec.replica_id].feed.index is not None]
+        assert writers == [a]  # the first to poll holds the lease; the other only watches
+        assert rc.get(f"{ns}:feeder:{spec.replica_id}") == a._me.encode()
+        await asyncio.sleep(0.5)  # the probe's events written by a alone
+        held = rc.hlen(f"{ns}:x:{spec.replica_id}")
+        assert held > 0
+        await a.stop()  # a's router goes away without a word
+        await asyncio.sleep(1.2)  # its lease runs out
+        await b.poll()
+        assert b.replicas[spec.replica_id].feed.index is not None
+        async with httpx.AsyncClient(base_url=spec.url) as c:  # new blocks: b writes them
+            r = await c.post("/v1/completions", json={
+                "model": "tiny-qwen2", "prompt": list(range(100, 300)), "max_tokens": 1})
+            assert r.status_code == 200
+        await asyncio.sleep(0.5)
+        assert rc.hlen(f"{ns}:x:{spec.replica_id}") > held
+    finally:
+        await a.stop()
+        await b.stop()
+        for key in rc.scan_iter(f"{ns}:*"):
+            rc.delete(key)
+
+
+async def test_the_engines_file_is_followed_and_a_broken_edit_keeps_the_last_list(
+        sims, model_dir, tmp_path):
+    path = tmp_path / "engines.yaml"
+    path.write_text(f"engines:\n  - {sims['same'].spec.url}\n")
+    published: list = []
+    fleet = _fleet(Settings(model=str(model_dir), external_engines_file=str(path)),
+                   MemoryPrefixIndex(), published)
+    try:
+        first = await fleet.poll()
+        assert [i.metadata.engine_url for i in first] == [sims["same"].spec.url]
+        assert first[0].metadata.hash_probe == "no_events"  # listed without its events
+        path.write_text("- {url: nope}\n")
+        assert [i.replica_id for i in await fleet.poll()] == [first[0].replica_id]
+        path.write_text(json.dumps([sims["other"].spec.url]))
+        now = await fleet.poll()
+        assert [i.metadata.engine_url for i in now] == [sims["other"].spec.url]
+        assert ("removed", first[0].replica_id) in published
+    finally:
+        await fleet.stop()
+
+
+def test_an_engines_file_is_checked(tmp_path):
+    path = tmp_path / "e.json"
+    path.write_text(json.dumps(["http://a:1", {"url": "http://b:2", "name": "b",
+                                               "kv_events_endpoint": "tcp://b:5557"}]))
+    engines = read_engines_file(str(path))
+    assert [e.replica_id for e in engines][1] == "b"
+    assert engines[0].replica_id.startswith("ext-")
+    assert engines[0].replica_id == ExternalEngine(url="http://a:1/").replica_id
+    for bad in (["ftp://a"], [{"url": "http://a:1", "kv_events_endpoint": "ipc://x"}],
+                ["http://a:1", "http://a:1"], [{"url": "http://a:1", "extra": 1}]):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError):
+            read_engines_file(str(path))
+    with pytest.raises(ValueError, match="direct data path"):
+        Settings(external_engines=["http://a:1"], data_path="serve")
