@@ -21,11 +21,21 @@ of a request, weighted per token: ``LogHistogram``), time per output token per r
 admission), preemptions (vLLM's ``num_preemptions``) and KV-capacity pressure (every
 replica's block-pool usage sampled with the load: mean, and the fraction of samples in
 which some replica is 95 % full).
+
+Scale events (``SimConfig.scale_events``): a replica added or removed at a virtual time, as
+Serve's ``update_replicas`` shows it to the router. A removed replica takes no new request,
+its index entries are purged, and its requests in flight finish. With ``SimConfig.warmup``
+the router's own warm-up code (``router.routing.warmup``: the hot-prefix record, the
+planner, the pacer) warms a replica that joins and re-homes what a leaving one alone held,
+its requests served by the simulated engines like any other (and left out of the request
+metrics); ``SimResult.request_log`` gives each request's replica and arrival for windowed
+measurements (``loadtest.warmup_bench``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import heapq
 import math
@@ -47,6 +57,7 @@ from router.load.memory import MemoryLoadTracker
 from router.policy import make_policy, max_cached_blocks
 from router.routing.core import RoutingCore
 from router.routing.replica import ReplicaInfo, ReplicaMetadata, RoutingStats
+from router.routing.warmup import HotPrefixes, MemoryWarmupLease, Warmer, WarmupPacer
 
 _NO_METADATA = ReplicaMetadata()
 
@@ -110,6 +121,20 @@ def tokens_to_text(token_ids: Sequence[int]) -> str:
     return "".join(chr(0x4E00 + (t % 20000)) for t in token_ids)
 
 
+@dataclass(frozen=True)
+class ScaleEvent:
+    """A change of the replica set at virtual time ``t_s``: ``add`` a replica (named
+    ``r<k>``, the next number), or ``remove`` ``replica`` (default: ``r0``)."""
+
+    t_s: float
+    action: str
+    replica: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.action not in ("add", "remove"):
+            raise ValueError(f"scale action must be 'add' or 'remove', not {self.action!r}")
+
+
 @dataclass
 class SimConfig:
     """One simulation run: ``replicas`` engines of ``engine`` capacity and ``step_model``
@@ -131,6 +156,10 @@ class SimConfig:
     predicted_ttl_s: float = 15.0
     policy_kwargs: dict = field(default_factory=dict)
     engines_per_gpu: int = 1
+    scale_events: list[ScaleEvent] = field(default_factory=list)
+    warmup: bool = False
+    warmup_settings: dict = field(default_factory=dict)  # Settings.warmup_* overrides
+    holders_refresh_s: float = 5.0  # how often the warm-up record asks who holds what
 
 
 @dataclass
@@ -156,6 +185,9 @@ class SimResult:
     queue_s: list[float] = field(default_factory=list)
     preemptions: int = 0
     kv_samples: list[list[float]] = field(default_factory=list)
+    # "q<i>" -> (replica, arrival s, prompt tokens), the i-th request by arrival
+    request_log: dict[str, tuple[str, float, int]] = field(default_factory=dict)
+    warmup: dict = field(default_factory=dict)  # WarmupStats as a dict, when warm-up is on
 
     def summary(self) -> dict:
         def pct(xs, p):
@@ -235,6 +267,7 @@ class _Run:
     queue_s: list[float] = field(default_factory=list)
     token_t: dict[str, float] = field(default_factory=dict)  # in flight: its last token's time
     first_t: dict[str, float] = field(default_factory=dict)  # in flight: its first token's time
+    request_log: dict[str, tuple[str, float, int]] = field(default_factory=dict)
     cached: int = 0
     prompt: int = 0
     out_tokens: int = 0
@@ -260,7 +293,9 @@ class Simulation:
         settings = Settings(policy="prefix_aware", block_size=bs,
                             predicted_ttl_with_events_s=cfg.predicted_ttl_s,
                             prefill_tokens_per_s=1.0 / (cfg.step_model.b_s_per_token or 1e-5),
-                            decode_step_s=cfg.step_model.c_s_per_seq)
+                            decode_step_s=cfg.step_model.c_s_per_seq,
+                            warmup_enabled=cfg.warmup, **cfg.warmup_settings)
+        self.settings = settings
         self.index = MemoryPrefixIndex(clock=self.clock)
         self.load = MemoryLoadTracker(clock=self.clock)
         self.policy = make_policy(cfg.policy, random.Random(cfg.seed), **cfg.policy_kwargs)
@@ -271,6 +306,26 @@ class Simulation:
         self.busy = {n: False for n in self.names}
         self.inflight = {n: 0 for n in self.names}
         self.active_blocks = {n: 0 for n in self.names}
+        self.active = list(self.names)  # the replicas routing sees (not those removed)
+        self.hot: HotPrefixes | None = None
+        self.warmer: Warmer | None = None
+        self._run: _Run | None = None
+        self._warm_due: float | None = None  # the pending "warm" event's time
+        if cfg.warmup:
+            self.hot = HotPrefixes(bs, settings.warmup_half_life_s,
+                                   settings.warmup_record_tokens, 16384, self.clock)
+            self.warmer = Warmer(self.core, self.hot,
+                                 WarmupPacer(settings.warmup_tokens_per_s,
+                                             settings.warmup_concurrency, self.clock),
+                                 MemoryWarmupLease(self.clock), self._warm_send,
+                                 settings.warmup_top_prefixes)
+
+    def _infos(self) -> list[ReplicaInfo]:
+        """The active replicas as routing sees them."""
+        return [ReplicaInfo(n, _NO_METADATA, RoutingStats(
+                    waiting=self.engines[n].num_waiting,
+                    kv_usage_frac=self.engines[n].pool.usage,
+                    active_blocks=self.active_blocks[n])) for n in self.active]
 
     def _gpu_share(self, replica: str) -> int:
         """Engines with work on ``replica``'s GPU (itself included): its step's slowdown."""
@@ -303,8 +358,15 @@ class Simulation:
         self.hash_workload(requests)
         run = _Run(arrivals=sorted(requests, key=lambda r: r.arrival_s),
                    per_replica={n: 0 for n in self.names}, progress=progress)
+        self._run = run
         handlers = {"arrive": self._on_arrive, "step": self._on_step,
-                    "step_end": self._on_step_end, "events": self._on_events}
+                    "step_end": self._on_step_end, "events": self._on_events,
+                    "scale": self._on_scale, "warm": self._on_warm,
+                    "holders": self._on_holders}
+        for ev in cfg.scale_events:
+            run.push(ev.t_s, "scale", ev)
+        if self.warmer is not None and run.arrivals:
+            run.push(run.arrivals[0].arrival_s + cfg.holders_refresh_s, "holders", None)
         next_sample = run.arrivals[0].arrival_s if run.arrivals else 0.0
         last_t = 0.0
         while run.heap or run.next_arrival < len(run.arrivals):
@@ -317,8 +379,8 @@ class Simulation:
                 run.next_arrival += 1
             # in-flight counts change only at events: sample the state before this one
             while next_sample <= t:
-                run.samples.append((next_sample, [self.inflight[n] for n in self.names]))
-                run.kv_samples.append([self.engines[n].pool.usage for n in self.names])
+                run.samples.append((next_sample, [self.inflight[n] for n in self.active]))
+                run.kv_samples.append([self.engines[n].pool.usage for n in self.active])
                 next_sample += cfg.sample_period_s
             self.clock.t = t
             last_t = max(last_t, t)
@@ -329,9 +391,9 @@ class Simulation:
         """A request arrives: route it (or replay its recorded replica) and queue it."""
         i, r = payload
         rid = f"q{i}"
-        infos = [ReplicaInfo(n, _NO_METADATA, RoutingStats(
-                     waiting=self.engines[n].num_waiting, kv_usage_frac=self.engines[n].pool.usage,
-                     active_blocks=self.active_blocks[n])) for n in self.names]
+        infos = self._infos()
+        if self.hot is not None and r.replica is None:
+            self.hot.observe(r.block_hashes, r.token_ids)
         t0 = time.perf_counter()
         if r.replica is not None:  # a recorded run's routing, replayed
             rep = r.replica
@@ -342,7 +404,10 @@ class Simulation:
                                        first_user_text=r.first_user_text)
             rep = d.replica
         run.decision_s.append(time.perf_counter() - t0)
-        run.per_replica[rep] += 1
+        if self.hot is not None and r.replica is None:
+            self.hot.routed(r.block_hashes, rep)
+        run.request_log[rid] = (rep, t, len(r.token_ids))
+        run.per_replica[rep] = run.per_replica.get(rep, 0) + 1
         self.inflight[rep] += 1
         nb = -(-len(r.token_ids) // self.cfg.engine.block_size)
         self.active_blocks[rep] += nb
@@ -374,6 +439,8 @@ class Simulation:
         eng = self.engines[rep]
         self._token_times(run, t, res, share)
         for req in res.first_tokens:
+            if req.request_id.startswith("warm-"):  # a warm-up request: not a user's
+                continue
             run.ttft_s.append(t - req.arrival_s)
             run.queue_s.append((req.scheduled_s or req.arrival_s) - req.arrival_s)
             run.by_request[req.request_id] = (t - req.arrival_s, max(req.num_cached_tokens, 0))
@@ -382,6 +449,13 @@ class Simulation:
             run.prompt += req.prompt_tokens
         run.out_tokens += len(res.new_tokens)
         for req in res.finished:
+            if req.request_id.startswith("warm-"):
+                _, _, nb = run.meta.pop(req.request_id)
+                self.inflight[rep] -= 1
+                self.active_blocks[rep] -= nb
+                await self.warmer.finished(req.request_id, True)
+                await self._pump(run, t)
+                continue
             run.e2e_s.append(t - req.arrival_s)
             self.core.observe_output(len(req.output_token_ids))
             first = run.first_t.pop(req.request_id, t)
@@ -422,6 +496,72 @@ class Simulation:
             for d in steps[1:]:
                 run.itl.add(d * share, len(seen))
 
+    async def _on_scale(self, run: "_Run", t: float, ev: ScaleEvent) -> None:
+        """A replica joins or leaves (what Serve's ``update_replicas`` shows the router)."""
+        if ev.action == "add":
+            name = f"r{len(self.engines)}"
+            self.names.append(name)
+            self.engines[name] = SimEngine(self.cfg.engine, self.cfg.step_model,
+                                           self.hash_settings)
+            self.busy[name], self.inflight[name], self.active_blocks[name] = False, 0, 0
+            run.per_replica.setdefault(name, 0)
+            self.active.append(name)
+            if self.warmer is not None:
+                await self.warmer.replica_joined(name)
+        else:
+            name = ev.replica or "r0"
+            if name not in self.active or len(self.active) < 2:
+                raise ValueError(f"cannot remove replica {name!r} from {self.active}")
+            self.active.remove(name)
+            if self.warmer is not None:
+                self.warmer.forget_replica(name)
+                await self.warmer.replica_left(name, self.active)
+            await self.core.remove_replica(name)  # its requests in flight finish there
+            if self.hot is not None:
+                self.hot.forget_replica(name)
+        await self._pump(run, t)
+
+    async def _pump(self, run: "_Run", t: float) -> None:
+        """Start the warm-up requests the pacer allows now; schedule the next pump."""
+        if self.warmer is None:
+            return
+        wait = await self.warmer.pump(self._infos())
+        if wait is not None and math.isfinite(wait):
+            due = t + max(wait, 1e-6)
+            if self._warm_due is None or due < self._warm_due:
+                self._warm_due = due
+                run.push(due, "warm", None)
+
+    async def _on_warm(self, run: "_Run", t: float, payload) -> None:
+        if self._warm_due is not None and t < self._warm_due:
+            return  # superseded by an earlier pump
+        self._warm_due = None
+        await self._pump(run, t)
+
+    async def _on_holders(self, run: "_Run", t: float, payload) -> None:
+        """Every ``holders_refresh_s``: the record asks the index who holds its hottest
+        prefixes (what a replica that leaves held is read from there), as the ingress's
+        warm-up loop does."""
+        await self.hot.refresh_holders(self.index, self.active, self.warmer.top_prefixes,
+                                       self.warmer.min_count)
+        if run.next_arrival < len(run.arrivals):
+            run.push(t + self.cfg.holders_refresh_s, "holders", None)
+
+    def _warm_send(self, job, info: ReplicaInfo, cached: int) -> None:
+        """The ``Warmer``'s sender: a prefill-only request (one output token) of the
+        prefix's token ids, on the replica its decision chose."""
+        run, t, rep = self._run, self.clock.now(), info.replica_id
+        sreq = SimRequest(job.request_id, list(job.prefix.token_ids), 1,
+                          block_hashes=list(job.prefix.hashes), arrival_s=t)
+        nb = len(job.prefix.hashes)
+        run.meta[job.request_id] = (rep, t, nb)
+        self.inflight[rep] += 1
+        self.active_blocks[rep] += nb
+        self.engines[rep].add_request(sreq)
+        if not self.busy[rep]:
+            self.busy[rep] = True
+            run.push(t, "step", rep)
+
     async def _on_events(self, run: "_Run", t: float, payload) -> None:
         """KV events reach the index."""
         rep, events = payload
@@ -451,7 +591,8 @@ class Simulation:
             per_replica_requests=per_replica, load_samples=samples, by_request=by_request,
             itl=run.itl, tpot_s=run.tpot_s, queue_s=run.queue_s,
             preemptions=sum(e.preemptions_total for e in self.engines.values()),
-            kv_samples=run.kv_samples)
+            kv_samples=run.kv_samples, request_log=run.request_log,
+            warmup=dataclasses.asdict(self.warmer.stats) if self.warmer else {})
 
 
 def simulate(cfg: SimConfig, requests: Sequence[WorkloadRequest],
@@ -466,5 +607,5 @@ def block_tokens(block_id: int, n: int, vocab: int = 30000) -> list[int]:
     return [100 + rng.randrange(vocab) for _ in range(n)]
 
 
-__all__ = ["SimConfig", "SimResult", "Simulation", "WorkloadRequest", "simulate",
+__all__ = ["ScaleEvent", "SimConfig", "SimResult", "Simulation", "WorkloadRequest", "simulate",
            "block_tokens", "ideal_hits", "to_block_hash"]

@@ -283,6 +283,32 @@ class Settings(BaseSettings):
                                       "shadow choices (docs/benchmarks.md, 'Shadow "
                                       "evaluation').")
 
+    # --- warm-up and re-homing ----------------------------------------------------------
+    warmup_enabled: bool = Field(
+        False, description="Warm a replica that joins with the fleet's hottest prefixes, and "
+                           "re-home the hot prefixes that only a leaving (or drained) "
+                           "replica held on the survivors: prefill-only requests (max_tokens "
+                           "1) of the prefixes' token ids, bounded by warmup_tokens_per_s "
+                           "and warmup_concurrency (docs/architecture.md, 'Warm-up and "
+                           "re-homing'). Off by default: it spends engine prefill the "
+                           "clients did not ask for, and without Redis every ingress "
+                           "process warms on its own.")
+    warmup_top_prefixes: int = Field(
+        64, ge=1, description="The most prefixes one join warms, and one leave re-homes.")
+    warmup_tokens_per_s: float = Field(
+        8192.0, gt=0, description="Prefill tokens per second that one ingress process's "
+                                  "warm-up requests may ask of the engines (a token bucket "
+                                  "of one second's worth).")
+    warmup_concurrency: int = Field(
+        2, ge=1, description="Warm-up requests one ingress process has in flight at most.")
+    warmup_half_life_s: float = Field(
+        60.0, gt=0, description="Half-life of a prefix's decayed request count (s): how "
+                                "fast a prefix stops being hot once its requests stop.")
+    warmup_record_tokens: int = Field(
+        2_000_000, ge=1024, description="Bound on the token ids of recent prefixes one ingress "
+                                        "process keeps for warm-up (in memory only, 8 bytes "
+                                        "each; never in Redis); the coldest go first.")
+
     # --- ingress ------------------------------------------------------------------------
     host: str = Field("127.0.0.1", description="HTTP bind address of Ray Serve's proxy.")
     port: int = Field(8000, description="HTTP port of Ray Serve's proxy.")

@@ -151,6 +151,16 @@ def _make() -> dict[str, Any]:
                             "joined (another router pinned it first), yielded_dead, "
                             "yielded_overloaded, unavailable (the store failed).",
                             tag_keys=("outcome",)),
+        "warmup_requests": Counter(
+            "router_warmup_requests_total",
+            "Warm-up requests (prefill-only, max_tokens 1) that ended, by reason: scale_out "
+            "(a replica joined) or rehome (the prefixes only a leaving replica held), and "
+            "outcome: ok or error (router.routing.warmup).", tag_keys=("reason", "outcome")),
+        "warmup_tokens": Counter(
+            "router_warmup_tokens_total",
+            "Prompt tokens warm-up requests asked the engines to compute (each prefix's "
+            "tokens beyond what the index predicted on its replica), by reason.",
+            tag_keys=("reason",)),
         "admission_waiting": Gauge("router_admission_waiting",
                                    "Requests waiting in the ingress's admission queue (every "
                                    "replica at max_inflight_per_replica)."),

@@ -23,6 +23,9 @@ Block hashes are field names of 8 bytes (the 64-bit hash, big-endian: ``block_fi
   whose heartbeat is gone are released by any router's sweep;
 * ``<ns>:session:<digest>``: a session's replica, expiring after ``Settings.session_ttl_s``
   (``router.routing.sessions``);
+* ``<ns>:warmup:<reason>:<replica>``: the lease (``SET NX`` with a TTL) of the one ingress
+  process that warms a replica that joined (``scale_out``) or re-homes the prefixes of one
+  that left (``rehome``); the prefixes' token ids stay in that process's memory;
 * ``<ns>:feeder:<replica>``: the lease (``SET NX`` with a TTL, renewed) of the one ingress
   process that writes the KV events of an engine reached by URL (``replicas.external``);
 * ``<ns>:rate:<tenant digest>:<kind>:<window>``: a tenant's requests or tokens in one
@@ -82,6 +85,11 @@ class RedisKeys:
         """The lease of the router process that writes an external engine's KV events
         (``replicas.external``): its process tag, with a TTL."""
         return f"{self.namespace}:feeder:{replica}"
+
+    def warmup_lease(self, key: str) -> str:
+        """The lease of the ingress process that warms a replica (``router.routing.warmup``):
+        ``key`` is ``<reason>:<replica id>``; the value is ``1``, with a TTL."""
+        return f"{self.namespace}:warmup:{key}"
 
     def heartbeat(self, router_id: str) -> str:
         """A router's heartbeat key."""
