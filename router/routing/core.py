@@ -180,17 +180,8 @@ class RoutingCore:
         """
         inp = RouteInput(request_id, prompt_tokens, block_hashes, cacheable, text,
                          first_user_text, session)
-        if self.drains is not None:
-            await self.drains.refresh()  # at most one read a second
         policy = policy or self.policy
-        if adapter is not None:
-            replicas = [r for r in replicas if adapter in r.metadata.lora_adapters] \
-                or list(replicas)
-        usable = self.candidates_of(replicas)
-        compatible = [r for r in usable if self.compatible(r)]
-        pool = compatible or usable
-        # the index is consulted only over candidates that hash blocks as the router does
-        cache_aware = bool(block_hashes) and cacheable and bool(compatible)
+        _, pool, cache_aware = await self._pool(replicas, block_hashes, cacheable, adapter)
         decision = None
         index_failed = False
         pinned, outcome = None, None
@@ -230,6 +221,28 @@ class RoutingCore:
         if self.health is not None:
             self.health.routed(decision.replica)  # a half-open replica's probe
         return decision
+
+    async def _pool(self, replicas: Sequence[ReplicaInfo], block_hashes: Sequence[int],
+                    cacheable: bool, adapter: str | None
+                    ) -> tuple[list[ReplicaInfo], list[ReplicaInfo], bool]:
+        """What a decision (``decide``, ``explain``) chooses among.
+
+        Returns:
+            ``(replicas, pool, cache_aware)``: the replicas that load ``adapter`` (all of
+            them when none does, or for the base model); the pool, those of them that are
+            candidates (``candidates_of``, the drained set read at most once a second) and
+            hash blocks as the router does (all candidates when none does); and whether the
+            index is consulted (blocks to look up, a cacheable prompt, a compatible pool).
+        """
+        if self.drains is not None:
+            await self.drains.refresh()  # at most one read a second
+        if adapter is not None:
+            replicas = [r for r in replicas if adapter in r.metadata.lora_adapters] \
+                or list(replicas)
+        usable = self.candidates_of(replicas)
+        compatible = [r for r in usable if self.compatible(r)]
+        cache_aware = bool(block_hashes) and cacheable and bool(compatible)
+        return list(replicas), compatible or usable, cache_aware
 
     async def _session_pin(self, session: str, pool: Sequence[ReplicaInfo]
                            ) -> tuple[str | None, str | None]:
@@ -394,16 +407,9 @@ class RoutingCore:
         import copy
 
         policy = policy or self.policy
-        if self.drains is not None:
-            await self.drains.refresh()
-        if adapter is not None:  # as decide: among the replicas that load the adapter
-            replicas = [r for r in replicas if adapter in r.metadata.lora_adapters] \
-                or list(replicas)
-        usable = self.candidates_of(replicas)
-        compatible = [r for r in usable if self.compatible(r)]
-        pool = compatible or usable
+        replicas, pool, cache_aware = await self._pool(replicas, block_hashes, cacheable,
+                                                       adapter)
         ids = [r.replica_id for r in pool]
-        cache_aware = bool(block_hashes) and cacheable and bool(compatible)
         matched = await self.index.lookup(block_hashes, ids) \
             if cache_aware and policy.uses_index else {}
         loads = await self.load.loads(ids)
