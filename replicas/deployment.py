@@ -127,11 +127,13 @@ class EngineReplica:
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom-metrics hook (with ``Settings.autoscaling_config``): this
-        replica's engine's requests running and waiting, scraped now
-        (``router.serve.autoscaling``); the last scrape's when this one fails."""
+        replica's engine's requests running and waiting (``router.serve.autoscaling``),
+        from the routing stats' scrape when it is under a second old (Serve asks for both
+        every few seconds), else scraped now; the last scrape's when this one fails."""
         from router.serve.autoscaling import ENGINE_REQUESTS
 
-        await self._scrape()
+        if self.watch.scrape_age_s() > 1.0:
+            await self._scrape()
         return {ENGINE_REQUESTS: float(self.stats.running + self.stats.waiting)}
 
     async def check_health(self) -> None:

@@ -47,6 +47,12 @@ class EngineWatch:
         self.feed = feed
         self.rate = PrefillRateEstimator(settings.prefill_tokens_per_s)
         self.stats = RoutingStats()
+        self._scraped_at: float | None = None  # time.monotonic() of the last good scrape
+
+    def scrape_age_s(self) -> float:
+        """Seconds since the last successful ``scrape`` (infinite before the first)."""
+        return float("inf") if self._scraped_at is None \
+            else time.monotonic() - self._scraped_at
 
     async def scrape(self, *, engine_alive: bool, engine_pid: int | None = None,
                      restarts: int | None = None) -> RoutingStats:
@@ -83,6 +89,7 @@ class EngineWatch:
             engine_alive=engine_alive, restarts=restarts,
             output_tokens_total=snap.generation_tokens_total,
             requests_finished_total=snap.requests_finished_total)
+        self._scraped_at = time.monotonic()
         from router import metrics
         metrics.record_engine_load(self.replica_id, snap.running, snap.waiting,
                                    snap.kv_usage_frac)

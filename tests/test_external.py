@@ -72,6 +72,8 @@ async def test_an_engine_that_hashes_otherwise_is_routed_on_predicted_entries_on
     fleet = _fleet(settings, index, published)
     try:
         infos = {i.replica_id: i for i in await fleet.poll()}
+        watch = fleet.replicas[sims["same"].spec.replica_id].watch
+        assert watch.scrape_age_s() < 5.0  # the poll's scrape, reused by the autoscaler
     finally:
         await fleet.stop()
     same, other = sims["same"].spec.replica_id, sims["other"].spec.replica_id
