@@ -97,6 +97,10 @@ class IngressCore:
         self._gauges_task: asyncio.Task | None = None  # see _keep_gauges
         self._turn: asyncio.Lock | None = None  # see _cpu_turn
         tracing.configure(settings)  # OpenTelemetry traces, when an endpoint is configured
+        self.warmup = None  # warm-up and re-homing (router.serve.warmup), when enabled
+        if settings.warmup_enabled:
+            from router.serve.warmup import WarmupService
+            self.warmup = WarmupService(settings, self)
 
     async def forget_predictions(self, req: RoutedRequest, replica: str) -> None:
         """The engine refused ``req`` (an error status): drop the predicted entries that its
@@ -252,6 +256,9 @@ class IngressCore:
             if held:
                 await asyncio.to_thread(self._finish, req, info)
             metrics.inc("long_prompts", tags={"tokenized": "whole" if held else "head"})
+        if self.warmup is not None:
+            self.warmup.observe(req.block_hashes, info.token_ids, info.cache_salt,
+                                req.lora_name)
         return req
 
     @contextlib.asynccontextmanager
@@ -331,6 +338,8 @@ class IngressCore:
         if self._replica_count() == 0:
             raise no_replicas()
         self.check_policy(policy)
+        if self.warmup is not None:
+            self.warmup.start()
         attempt_cls = self._attempt_class(data_path)
         prio = resolve_priority(priority, tenant)
         with tracing.span("prepare") as span:
@@ -376,6 +385,8 @@ class IngressCore:
             for attempt in (1, 2):
                 dispatch = attempt_cls(self, req, route, attempt)
                 head, body = await self._try(dispatch, retry_left=attempt == 1)
+                if self.warmup is not None and dispatch.replica:
+                    self.warmup.routed(req.block_hashes, dispatch.replica)
                 resp = await self._outcome(dispatch, head, body, attempt)
                 if resp is not None:
                     return resp
