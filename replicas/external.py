@@ -99,10 +99,7 @@ class ExternalReplica:
     async def refresh(self) -> ReplicaInfo:
         """Health-check and scrape the engine (and probe its hashing once it first
         answers); its candidate record now."""
-        try:
-            alive = (await self.client.get("/health", timeout=2.0)).status_code == 200
-        except httpx.HTTPError:
-            alive = False
+        alive = await self._answers()
         if self.alive and not alive:
             logger.warning("external engine %s (%s) stopped answering", self.replica_id,
                            self.spec.url)
@@ -117,6 +114,17 @@ class ExternalReplica:
                 await self._ignore_events()
         stats = await self.watch.scrape(engine_alive=alive)
         return ReplicaInfo(self.replica_id, self.metadata(), stats)
+
+    async def _answers(self) -> bool:
+        """Whether the engine answers: its ``GET /health`` (vLLM's, llama.cpp's server's)
+        is 200, or, for a server without one (404), its ``GET /v1/models`` is."""
+        try:
+            r = await self.client.get("/health", timeout=2.0)
+            if r.status_code == 404:
+                r = await self.client.get("/v1/models", timeout=2.0)
+            return r.status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def metadata(self) -> ReplicaMetadata:
         """What this engine advertises, as a Ray replica's metadata reads. Its hash

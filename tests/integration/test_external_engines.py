@@ -126,3 +126,75 @@ def _exercise(svc, proc, vllm_spec, eventless_engine, engines_file, tokenizer) -
     engines_file.write_text("[{not json")
     time.sleep(1.5)
     assert list(replicas()) == [sim_id]
+
+
+@pytest.fixture(scope="module")
+def llama_cpp_servers(model_dir, tmp_path_factory):
+    """Two llama.cpp servers (``llama-cpp-python``'s OpenAI-compatible server) of the tiny
+    model as a GGUF file the test generates: their base URLs."""
+    from deploy.make_model import make_gguf
+
+    gguf_file = make_gguf(tmp_path_factory.mktemp("gguf") / "tiny-qwen2.gguf", model_dir)
+    procs, urls = [], []
+    for _ in range(2):
+        port = free_port()
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_file),
+             "--model_alias", "tiny-qwen2", "--host", "127.0.0.1", "--port", str(port),
+             "--n_ctx", "4096", "--n_threads", "1", "--verbose", "false"]))
+        urls.append(f"http://127.0.0.1:{port}")
+
+    def up(url):
+        try:
+            return httpx.get(url + "/v1/models", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        for url in urls:
+            wait_until(lambda url=url: up(url), 120, 0.3, f"the llama.cpp server at {url}")
+        yield urls
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+
+
+def test_llama_cpp_servers_are_routed_on_predicted_entries(serve_http_port, llama_cpp_servers,
+                                                          tokenizer):
+    svc = run_app(serve_http_port, "llama", "/llama", num_replicas=0,
+                  external_engines=llama_cpp_servers, external_engines_poll_s=0.5)
+    try:
+        c = svc.client
+        listed = {r["metadata"]["engine_url"]: r for r in c.get("/replicas").json()["replicas"]}
+        assert set(listed) == set(llama_cpp_servers)
+        for r in listed.values():  # no KV events: the router's own predictions only
+            assert r["metadata"]["hash_probe"] == "no_events"
+            assert r["routing_stats"]["engine_alive"] is True
+
+        def chat(i: int, turn: int, stream: bool = False) -> httpx.Response:
+            msgs = [{"role": "system", "content": make_text(120, f"llama-{i}", tokenizer)},
+                    {"role": "user", "content": f"turn {turn}"}]
+            resp = c.post("/v1/chat/completions", json={
+                "model": "tiny-qwen2", "max_tokens": 3, "messages": msgs, "stream": stream})
+            assert resp.status_code == 200, resp.text
+            return resp
+
+        homes = {}
+        for i in range(4):
+            r = chat(i, 0)
+            assert r.json()["choices"][0]["message"]["role"] == "assistant"
+            assert r.headers["x-routing-reason"] == "load"
+            homes[i] = r.headers["x-routed-replica"]
+        assert len(set(homes.values())) == 2, homes  # cold prompts spread by load
+        for i, home in homes.items():
+            r = chat(i, 1, stream=i % 2 == 1)
+            assert r.headers["x-routed-replica"] == home, (i, homes, r.headers)
+            assert r.headers["x-routing-reason"] == "cache"
+            assert int(r.headers["x-predicted-cached-tokens"]) > 0
+            if i % 2:
+                assert r.text.rstrip().endswith("data: [DONE]"), r.text[-200:]
+        assert c.get("/v1/models").json()["data"][0]["id"] == "tiny-qwen2"
+    finally:
+        from ray import serve
+        serve.delete("llama")
