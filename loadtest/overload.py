@@ -12,6 +12,7 @@ resident memory of the ingress process and Redis's ``used_memory`` (flat: within
 between minute 2 and the end)::
 
     python -m loadtest.overload [--high 2 --high-minutes 10 --low 0.8 --low-minutes 2] [--doc]
+    python -m loadtest.overload --high 0.9 --high-minutes 30 --doc     # the long soak below capacity
 
 Run on a quiet machine: the router's own CPU must not be the bottleneck (the defaults keep
 the offered rate at a few tens of requests per second).
@@ -197,8 +198,11 @@ def main(argv: list[str] | None = None) -> int:
             f"used_memory {growth['redis_used_memory_mib'][0]} and "
             f"{growth['redis_used_memory_mib'][1]} MiB. Machine: {platform.node()}, "
             f"{os.cpu_count()} cores.")
-        write_benchmark_doc(f"Overload: fast refusals instead of queues (bound {a.bound}, "
-                            f"queue_timeout_s {a.queue_timeout_s:g})",
+        title = f"Overload: fast refusals instead of queues (bound {a.bound}, " \
+            f"queue_timeout_s {a.queue_timeout_s:g})" if a.high > 1 else \
+            f"Soak at {a.high:g} x capacity for {a.high_minutes:g} minutes (bound {a.bound}, " \
+            f"queue_timeout_s {a.queue_timeout_s:g})"
+        write_benchmark_doc(title,
                             "python -m loadtest.overload " + " ".join(argv or sys.argv[1:]),
                             table, notes)
     return 0
