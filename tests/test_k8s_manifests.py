@@ -727,3 +727,26 @@ def test_the_placeholder_keys_file_is_valid_and_admits_nobody(docs, tmp_path):
         keys.authenticate("Bearer " + secret_values(docs)[("prefix-router-metrics-token",
                                                             "token")])
     assert err.value.status == 401
+
+
+def test_the_image_recipe_matches_the_project_and_the_rayservice(docs):
+    """deploy/Dockerfile (not built here: no Docker engine) starts from Ray's GPU image of
+    the Ray and Python the project pins and the RayService declares, and installs the
+    repository with its gpu extra."""
+    import re
+    import tomllib
+
+    dockerfile = (ROOT / "deploy" / "Dockerfile").read_text()
+    (base,) = re.findall(r"^FROM\s+(\S+)", dockerfile, re.M)
+    m = re.fullmatch(r"rayproject/ray:(\d+\.\d+\.\d+)-py(\d)(\d+)-gpu", base)
+    assert m, base
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert f"ray[serve]=={m.group(1)}" in project["dependencies"]
+    assert project["requires-python"] == f">={m.group(2)}.{m.group(3)}"
+    (rs,) = [d for d in docs if d["kind"] == "RayService"]
+    assert rs["spec"]["rayClusterConfig"]["rayVersion"] == m.group(1)
+    assert re.search(r'pip install [^\n]*"\.\[gpu\]"', dockerfile)
+    for path in re.findall(r"^COPY\s+(?:--\S+\s+)*(.+?)\s+\S+$", dockerfile, re.M):
+        for p in path.split():
+            assert (ROOT / p).exists(), p
+
