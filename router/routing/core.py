@@ -631,8 +631,8 @@ async def route_request(core: RoutingCore, req, replicas: Sequence[ReplicaInfo],
     from router import metrics
 
     pool = [r for r in replicas if r.replica_id not in req.excluded_replicas] or list(replicas)
-    metrics.get("replicas_without_kv_events").set(
-        sum(1 for r in pool if r.stats.kv_events_live is False))
+    metrics.get("replicas_without_kv_events").set(  # engines listed without events: by design
+        sum(1 for r in pool if r.stats.kv_events_live is False and r.metadata.kv_events_endpoint))
     t0 = time.perf_counter()
     try:
         decision = await core.decide(req.request_id, req.prompt_tokens, req.block_hashes,

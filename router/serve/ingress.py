@@ -40,6 +40,7 @@ from router.index.base import IndexUnavailable
 from router.logs import get_logger
 from router.policy import LIVE_POLICIES, PolicySet
 from router.prompt.render import CHAT_PATH, COMPLETIONS_PATH, PromptInfo, PromptRenderer
+from router.routing.replica import hash_mismatches
 from router.routing.sessions import session_key
 from router.serve import state
 from router.serve.admission import Admission, parse_priority
@@ -134,10 +135,14 @@ class IngressCore:
         """Set ``router_inflight`` again every ``period_s`` for every replica this process
         has dispatched to: Ray's exporter drops a gauge that has not been set for a while,
         so one set only on change vanished from ``/metrics`` during long requests. A replica
-        that left the deployment is set to 0 once and forgotten."""
-        gauge = metrics.get("inflight")
+        that left the deployment is set to 0 once and forgotten. ``router_replica_hash_mismatch``
+        is set for every replica known now, the same way."""
+        gauge, mismatch = metrics.get("inflight"), metrics.get("hash_mismatch")
         while True:
             await asyncio.sleep(period_s)
+            for info in state.replica_infos() or ():  # set again, as router_inflight
+                mismatch.set(1 if hash_mismatches(self.settings.hash_settings, info.metadata)
+                             else 0, tags={"replica": info.replica_id})
             current = state.replica_ids()
             for replica, n in list(self.inflight.items()):
                 gauge.set(n, tags={"replica": replica})
