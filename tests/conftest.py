@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import random
 import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -95,6 +96,44 @@ class Service:
                 "temperature": 0, **extra}
         headers = {"x-routing-policy": policy} if policy else {}
         return self.client.post("/v1/chat/completions", json=body, headers=headers)
+
+
+class EngineServer:
+    """An OpenAI-compatible engine server in a process of its own on a loopback port: the
+    simulated engine (``sim(model_dir, *args)``) or any command, started and waited for
+    until ``GET <url><ready_path>`` answers 200 (``wait_until``, ``timeout_s``)."""
+
+    def __init__(self, cmd: list[str], port: int, ready_path: str = "/health",
+                 timeout_s: float = 60.0, **popen):
+        self.port, self.url = port, f"http://127.0.0.1:{port}"
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, **popen)
+
+        def up():
+            try:
+                return httpx.get(self.url + ready_path, timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+        try:
+            wait_until(up, timeout_s, 0.2, f"the engine at {self.url}")
+        except BaseException:
+            self.stop()
+            raise
+
+    @classmethod
+    def sim(cls, model_dir, *args: str, **popen) -> "EngineServer":
+        """The simulated engine of the tiny model, with ``args`` (``replicas.sim.server``)."""
+        port = free_port()
+        return cls([sys.executable, "-m", "replicas.sim.server", "--port", str(port),
+                    "--model", str(model_dir), "--served-model-name", "tiny-qwen2", *args],
+                   port, **popen)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 @pytest.fixture(scope="session")

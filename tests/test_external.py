@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import uuid
 
 import httpx
@@ -19,42 +17,27 @@ from replicas.external import ExternalFleet, read_engines_file
 from router.config import ExternalEngine, Settings
 from router.index.memory import MemoryPrefixIndex
 from router.index.redis import RedisPrefixIndex
-from tests.conftest import REDIS_URL, wait_until
+from tests.conftest import REDIS_URL, EngineServer
 
 
-class SimProcess:
-    """A simulated engine in a process of its own, publishing KV events on TCP."""
-
-    def __init__(self, model_dir, hash_seed: str = "0"):
-        self.port, pub, rep = free_port(), free_port(), free_port()
-        self.spec = ExternalEngine(url=f"http://127.0.0.1:{self.port}",
-                                   kv_events_endpoint=f"tcp://127.0.0.1:{pub}",
-                                   kv_replay_endpoint=f"tcp://127.0.0.1:{rep}")
-        self.proc = subprocess.Popen([
-            sys.executable, "-m", "replicas.sim.server", "--port", str(self.port),
-            "--model", str(model_dir), "--served-model-name", "tiny-qwen2",
-            "--hash-seed", hash_seed, "--kv-events-config",
-            json.dumps({"endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{rep}"})])
-
-        def up():
-            try:
-                return httpx.get(self.spec.url + "/health", timeout=2).status_code == 200
-            except httpx.HTTPError:
-                return False
-
-        wait_until(up, 60, 0.2, "the simulated engine")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
+def sim_with_tcp_events(model_dir, hash_seed: str = "0") -> tuple[EngineServer,
+                                                                   ExternalEngine]:
+    """A simulated engine in a process of its own, publishing KV events on TCP, and how
+    the router lists it."""
+    pub, rep = free_port(), free_port()
+    engine = EngineServer.sim(model_dir, "--hash-seed", hash_seed, "--kv-events-config",
+                              json.dumps({"endpoint": f"tcp://*:{pub}",
+                                          "replay_endpoint": f"tcp://*:{rep}"}))
+    return engine, ExternalEngine(url=engine.url, kv_events_endpoint=f"tcp://127.0.0.1:{pub}",
+                                  kv_replay_endpoint=f"tcp://127.0.0.1:{rep}")
 
 
 @pytest.fixture(scope="module")
 def sims(model_dir):
-    engines = {"same": SimProcess(model_dir), "other": SimProcess(model_dir, hash_seed="7")}
-    yield engines
-    for e in engines.values():
-        e.stop()
+    same, other = sim_with_tcp_events(model_dir), sim_with_tcp_events(model_dir, hash_seed="7")
+    yield {"same": same[1], "other": other[1]}
+    same[0].stop()
+    other[0].stop()
 
 
 def _fleet(settings: Settings, index, published: list, **kw) -> ExternalFleet:
@@ -67,21 +50,21 @@ async def test_an_engine_that_hashes_otherwise_is_routed_on_predicted_entries_on
         sims, model_dir):
     index = MemoryPrefixIndex()
     published: list = []
-    settings = Settings(model=str(model_dir), external_engines=[sims["same"].spec,
-                                                                sims["other"].spec])
+    settings = Settings(model=str(model_dir), external_engines=[sims["same"],
+                                                                sims["other"]])
     fleet = _fleet(settings, index, published)
     try:
         infos = {i.replica_id: i for i in await fleet.poll()}
-        watch = fleet.replicas[sims["same"].spec.replica_id].watch
+        watch = fleet.replicas[sims["same"].replica_id].watch
         assert watch.scrape_age_s() < 5.0  # the poll's scrape, reused by the autoscaler
     finally:
         await fleet.stop()
-    same, other = sims["same"].spec.replica_id, sims["other"].spec.replica_id
+    same, other = sims["same"].replica_id, sims["other"].replica_id
     assert infos[same].metadata.hash_probe == "ok"
     assert infos[other].metadata.hash_probe == "no_events"
     assert infos[other].stats.kv_events_live is False  # the long predicted TTL applies
     assert infos[same].stats.engine_alive and infos[other].stats.engine_alive
-    assert infos[other].metadata.engine_url == sims["other"].spec.url
+    assert infos[other].metadata.engine_url == sims["other"].url
     # the probe's blocks are indexed for the engine that hashes alike, none for the other
     assert index.exact_entries(same) and not index.exact_entries(other)
     assert published and published[-1] == tuple(infos.values())
@@ -90,7 +73,7 @@ async def test_an_engine_that_hashes_otherwise_is_routed_on_predicted_entries_on
 async def test_one_router_writes_an_engines_events_to_redis_and_another_takes_over(
         sims, model_dir):
     ns = f"test-external-{uuid.uuid4().hex[:6]}"
-    spec = sims["same"].spec
+    spec = sims["same"]
     settings = Settings(model=str(model_dir), external_engines=[spec], redis_url=REDIS_URL,
                         index_namespace=ns)
     a = _fleet(settings, RedisPrefixIndex(REDIS_URL, namespace=ns), [], lease_s=1.0)
@@ -125,19 +108,19 @@ async def test_one_router_writes_an_engines_events_to_redis_and_another_takes_ov
 async def test_the_engines_file_is_followed_and_a_broken_edit_keeps_the_last_list(
         sims, model_dir, tmp_path):
     path = tmp_path / "engines.yaml"
-    path.write_text(f"engines:\n  - {sims['same'].spec.url}\n")
+    path.write_text(f"engines:\n  - {sims['same'].url}\n")
     published: list = []
     fleet = _fleet(Settings(model=str(model_dir), external_engines_file=str(path)),
                    MemoryPrefixIndex(), published)
     try:
         first = await fleet.poll()
-        assert [i.metadata.engine_url for i in first] == [sims["same"].spec.url]
+        assert [i.metadata.engine_url for i in first] == [sims["same"].url]
         assert first[0].metadata.hash_probe == "no_events"  # listed without its events
         path.write_text("- {url: nope}\n")
         assert [i.replica_id for i in await fleet.poll()] == [first[0].replica_id]
-        path.write_text(json.dumps([sims["other"].spec.url]))
+        path.write_text(json.dumps([sims["other"].url]))
         now = await fleet.poll()
-        assert [i.metadata.engine_url for i in now] == [sims["other"].spec.url]
+        assert [i.metadata.engine_url for i in now] == [sims["other"].url]
         assert ("removed", first[0].replica_id) in published
     finally:
         await fleet.stop()

@@ -6,7 +6,6 @@ Ray (``num_replicas: 0``)."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import time
 
@@ -15,7 +14,7 @@ import pytest
 
 from replicas.engine import free_port
 from router.kv_events.subscriber import subscriber_endpoint
-from tests.conftest import REDIS_URL, make_text, run_app, wait_until
+from tests.conftest import REDIS_URL, EngineServer, make_text, run_app, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -23,22 +22,10 @@ pytestmark = pytest.mark.integration
 @pytest.fixture(scope="module")
 def eventless_engine(model_dir):
     """A simulated engine with no KV events: its base URL."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "replicas.sim.server", "--port", str(port),
-                             "--model", str(model_dir), "--served-model-name", "tiny-qwen2",
-                             "--kv-events-config", '{"enable_kv_cache_events": false}'])
-    url = f"http://127.0.0.1:{port}"
-
-    def up():
-        try:
-            return httpx.get(url + "/health", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_until(up, 60, 0.2, "the simulated engine")
-    yield url
-    proc.terminate()
-    proc.wait(10)
+    engine = EngineServer.sim(model_dir, "--kv-events-config",
+                              '{"enable_kv_cache_events": false}')
+    yield engine.url
+    engine.stop()
 
 
 def _write(path, engines: list) -> None:
@@ -135,29 +122,19 @@ def llama_cpp_servers(model_dir, tmp_path_factory):
     from deploy.make_model import make_gguf
 
     gguf_file = make_gguf(tmp_path_factory.mktemp("gguf") / "tiny-qwen2.gguf", model_dir)
-    procs, urls = [], []
-    for _ in range(2):
-        port = free_port()
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_file),
-             "--model_alias", "tiny-qwen2", "--host", "127.0.0.1", "--port", str(port),
-             "--n_ctx", "4096", "--n_threads", "1", "--verbose", "false"]))
-        urls.append(f"http://127.0.0.1:{port}")
-
-    def up(url):
-        try:
-            return httpx.get(url + "/v1/models", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
+    servers = []
     try:
-        for url in urls:
-            wait_until(lambda url=url: up(url), 120, 0.3, f"the llama.cpp server at {url}")
-        yield urls
+        for _ in range(2):
+            port = free_port()
+            servers.append(EngineServer(
+                [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf_file),
+                 "--model_alias", "tiny-qwen2", "--host", "127.0.0.1", "--port", str(port),
+                 "--n_ctx", "4096", "--n_threads", "1", "--verbose", "false"],
+                port, ready_path="/v1/models", timeout_s=120))
+        yield [s.url for s in servers]
     finally:
-        for p in procs:
-            p.terminate()
-            p.wait(10)
+        for s in servers:
+            s.stop()
 
 
 def test_llama_cpp_servers_are_routed_on_predicted_entries(serve_http_port, llama_cpp_servers,

@@ -13,7 +13,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import ROOT, free_port, wait_until
+from tests.conftest import ROOT, EngineServer, free_port
 
 pytestmark = pytest.mark.integration
 
@@ -60,24 +60,10 @@ def test_a_headless_run_against_the_router_has_ttft_and_itl_samples_and_no_failu
 
 
 @pytest.fixture
-def sim_engine(model_dir, tmp_path):
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "replicas.sim.server", "--port", str(port),
-                             "--model", str(model_dir), "--served-model-name", "tiny-qwen2"],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-
-    def up():
-        try:
-            return httpx.get(url + "/health", timeout=1).status_code == 200
-        except httpx.HTTPError:
-            return False
-    try:
-        wait_until(up, 60, 0.2, "the simulated engine")
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
+def sim_engine(model_dir):
+    engine = EngineServer.sim(model_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    yield engine.url
+    engine.stop()
 
 
 def test_streams_dropped_after_k_chunks_count_as_failures(sim_engine, tmp_path):
