@@ -19,6 +19,7 @@ from ray.serve.config import RequestRouterConfig
 from starlette.requests import ClientDisconnect
 
 from router.config import DEFAULT_MODEL_DIR, Settings
+from router.index.base import IndexUnavailable
 from router.logs import get_logger
 from router.prompt.render import CHAT_PATH, COMPLETIONS_PATH
 from router.routing.replica import ReplicaMetadata, hash_mismatches
@@ -238,28 +239,42 @@ class Ingress:
 
     @fastapi_app.get("/replicas")
     async def replicas(self, request: Request) -> Response:
-        """The engine replicas the router sees, with what each advertises (endpoints, hash
-        settings) and its hash compatibility with this router (an admin key's, with keys)."""
+        """The engine replicas the router sees (Serve's, then the engines reached by URL),
+        each with what it advertises (endpoints, hash settings), its routing stats, its
+        hash compatibility with this router, its circuit and drain state, how routing
+        treats it (``mode``: ``exact`` from its KV events, ``predicted`` from the router's
+        own predictions, ``degraded`` while its engine is down, its circuit open or its
+        hashing differs) and the blocks the index holds for it (``blocks_held``, exact
+        entries; None when the index does not answer). An admin key's, with keys."""
         self.keys.authorize_admin(request.headers.get("authorization"))
         rr = state.peek("request_router")
-        running = list(rr.curr_replicas.values()) if rr is not None else []
-        hs = self.settings.hash_settings
+        running = sorted(rr.curr_replicas.values() if rr is not None else [],
+                         key=lambda r: r.replica_id.unique_id)
+        infos = [(r.replica_id.unique_id, ReplicaMetadata.from_dict(r.replica_metadata),
+                  dict(r.replica_metadata or {}), dict(r.routing_stats or {}), False)
+                 for r in running]
+        infos += [(i.replica_id, i.metadata, i.metadata.to_dict(), i.stats.to_dict(), True)
+                  for i in state.peek("external_replicas") or ()]
         health = state.replica_health()
         drained = await state.make_drains(self.settings).refresh()
+        index = self.core._prefix_index()
         out = []
-        for r in sorted(running, key=lambda r: r.replica_id.unique_id):
-            md = dict(r.replica_metadata or {})
-            out.append({"replica_id": r.replica_id.unique_id, "metadata": md,
-                        "routing_stats": dict(r.routing_stats or {}),
-                        "circuit_open": health.is_open(r.replica_id.unique_id),
-                        "drained": r.replica_id.unique_id in drained,
-                        "hash_mismatch": hash_mismatches(hs, ReplicaMetadata.from_dict(md))})
-        for info in state.peek("external_replicas") or ():  # engines reached by URL
-            out.append({"replica_id": info.replica_id, "metadata": info.metadata.to_dict(),
-                        "routing_stats": info.stats.to_dict(),
-                        "circuit_open": health.is_open(info.replica_id),
-                        "drained": info.replica_id in drained, "external": True,
-                        "hash_mismatch": hash_mismatches(hs, info.metadata)})
+        for rid, md, md_dict, stats, external in infos:
+            mismatch = hash_mismatches(self.settings.hash_settings, md)
+            circuit_open = health.is_open(rid)
+            try:
+                held = await index.exact_entry_count(rid)
+            except IndexUnavailable:
+                held = None
+            mode = "degraded" if stats.get("engine_alive") is False or circuit_open \
+                or mismatch else "exact" if md.hash_probe == "ok" \
+                and stats.get("kv_events_live") is not False else "predicted"
+            row = {"replica_id": rid, "mode": mode, "blocks_held": held, "metadata": md_dict,
+                   "routing_stats": stats, "circuit_open": circuit_open,
+                   "drained": rid in drained, "hash_mismatch": mismatch}
+            if external:
+                row["external"] = True
+            out.append(row)
         return JSONResponse({"replicas": out})
 
     @fastapi_app.post("/admin/replicas/{replica_id}/drain")
@@ -278,8 +293,6 @@ class Ingress:
                            drained: bool) -> Response:
         """Raises: OpenAIError 404 for a replica the router does not know, 503 when Redis
         did not take the change (nothing changed)."""
-        from router.index.base import IndexUnavailable
-
         self.keys.authorize_admin(request.headers.get("authorization"))
         if replica_id not in (state.replica_ids() or ()):
             raise OpenAIError(404, f"no engine replica {replica_id!r} (GET /replicas lists "
@@ -315,7 +328,6 @@ class Ingress:
             OpenAIError: 400 for another ``route`` or a malformed body, 503 with no replica
                 or when the index cannot be read.
         """
-        from router.index.base import IndexUnavailable
         from router.serve.errors import bad_request
 
         tenant = self.keys.authorize_admin(request.headers.get("authorization"))

@@ -63,6 +63,7 @@ def _exercise(svc, proc, vllm_spec, eventless_engine, engines_file, tokenizer) -
                .get("hash_probe") == "ok", 60, 0.5, "the vLLM engine's hash probe")
     r = replicas()["vllm-outside"]
     assert r["external"] is True and r["metadata"]["engine_url"] == proc.url
+    assert r["mode"] == "exact" and r["blocks_held"] >= 2  # the hash probe's blocks
     assert c.get("/health").json()["ready"] is True
 
     def chat(i: int, turn: int) -> httpx.Response:
@@ -91,6 +92,7 @@ def _exercise(svc, proc, vllm_spec, eventless_engine, engines_file, tokenizer) -
     sim = replicas()[sim_id]
     assert sim["metadata"]["hash_probe"] == "no_events"
     assert sim["routing_stats"]["kv_events_live"] is False
+    assert sim["mode"] == "predicted" and sim["blocks_held"] == 0
     homes = {i: chat(i, 0).headers["x-routed-replica"] for i in range(1, 5)}
     assert sim_id in homes.values() and "vllm-outside" in homes.values(), homes
     time.sleep(1.5)
