@@ -16,7 +16,7 @@ from router.config import Settings
 from router.routing.replica import ReplicaInfo
 from router.serve import state
 from router.serve.ingress import IngressCore
-from tests.test_external import SimProcess
+from tests.conftest import EngineServer
 
 SYSTEM = ("You are the support assistant of a cloud storage company. Answer questions about "
           "accounts, billing, storage plans, file sharing, backups and security. ") * 6
@@ -27,20 +27,20 @@ def _body(question: str) -> bytes:
         {"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]}).encode()
 
 
-def _info(rid: str, sim: SimProcess) -> ReplicaInfo:
-    return ReplicaInfo(rid, {"engine_url": sim.spec.url, "block_size": 32},
+def _info(rid: str, sim: EngineServer) -> ReplicaInfo:
+    return ReplicaInfo(rid, {"engine_url": sim.url, "block_size": 32},
                        {"engine_alive": True})
 
 
-async def _cached_on(sim: SimProcess, body: bytes) -> int:
+async def _cached_on(sim: EngineServer, body: bytes) -> int:
     async with httpx.AsyncClient(timeout=30) as c:
-        r = await c.post(sim.spec.url + "/v1/chat/completions", content=body,
+        r = await c.post(sim.url + "/v1/chat/completions", content=body,
                          headers={"content-type": "application/json"})
     r.raise_for_status()
     return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
 
-async def _run(model_dir, a: SimProcess, b: SimProcess, warm: bool) -> tuple[int, dict]:
+async def _run(model_dir, a: EngineServer, b: EngineServer, warm: bool) -> tuple[int, dict]:
     state.put("replica_infos", (_info("a", a),))
     core = IngressCore(Settings(model=str(model_dir), warmup_enabled=warm,
                                 index_namespace=f"warmup-live-{uuid.uuid4().hex[:6]}"),
@@ -68,7 +68,7 @@ async def _run(model_dir, a: SimProcess, b: SimProcess, warm: bool) -> tuple[int
 
 
 async def test_a_joining_replica_is_warmed_with_the_hot_system_prompt(model_dir):
-    a, b_cold, b_warm = (SimProcess(model_dir) for _ in range(3))
+    a, b_cold, b_warm = (EngineServer.sim(model_dir) for _ in range(3))
     try:
         cold, _ = await _run(model_dir, a, b_cold, warm=False)
         warm, stats = await _run(model_dir, a, b_warm, warm=True)
