@@ -102,16 +102,21 @@ class Ingress:
                 publish=lambda infos: state.put("external_replicas", infos))
             self.fleet.start()
         # The handle creates its router on first use; one call makes it learn the replica
-        # set now, so /health and the 503 check know the replica count before traffic. With
-        # no engine replica in Ray (external engines only) the call would wait forever.
-        self._warmup = asyncio.get_event_loop().create_task(self._warm_up()) \
-            if self.settings.most_replicas > 0 else None
+        # set now, so /health and the 503 check know the replica count before traffic.
+        self._warmup = asyncio.get_event_loop().create_task(self._warm_up())
 
-    async def _warm_up(self) -> None:
+    async def _warm_up(self, timeout_s: float = 30.0) -> None:
+        """Ping one engine replica through the handle, so that its router starts and hears
+        of the replica set. With no replica (none started yet, or none in Ray: external
+        engines only) the call waits in the handle's queue, where it would count as demand
+        for an autoscaler: it is cancelled after ``timeout_s``; the router stays."""
+        response = self.engine_handle.ping.remote()
         try:
-            await self.engine_handle.ping.remote()
+            async with asyncio.timeout(timeout_s):
+                await response
         except Exception as exc:  # replicas not up yet: update_replicas will tell us
-            logger.info("engine warm-up call failed: %s", exc)
+            response.cancel()
+            logger.info("engine warm-up call failed: %s", type(exc).__name__)
 
     async def _infer(self, path: str, request: Request) -> Response:
         t0 = time.perf_counter()
