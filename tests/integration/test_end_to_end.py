@@ -218,10 +218,19 @@ def test_a_long_new_document_is_routed_on_its_head_and_followed_up_exactly(servi
     assert name == "routing" and 0 < float(dur) < 10_000
     usage = first.json()["usage"]
     assert usage["prompt_tokens"] > 6000
-    time.sleep(1.0)  # the engine's KV events reach the index
+    home = first.headers["x-routed-replica"]
+
+    def indexed() -> int:  # what a decision would predict there now (nothing is written)
+        why = service.client.post("/admin/explain", params={"route": "chat"}, json={
+            "model": "tiny-qwen2", "messages": ask("And S0002?"), "max_tokens": 1}).json()
+        return next(c["predicted_cached_tokens"] or 0 for c in why["candidates"]
+                    if c["replica"] == home)
+    # the engine's KV events reach the index (a second or more on a loaded machine)
+    wait_until(lambda: indexed() >= (6000 // BLOCK_SIZE - 1) * BLOCK_SIZE, 30, 0.25,
+               "the whole document's blocks in the index")
     second = service.chat(ask("And S0002?"), max_tokens=1)
     assert second.status_code == 200, second.text
-    assert second.headers["x-routed-replica"] == first.headers["x-routed-replica"]
+    assert second.headers["x-routed-replica"] == home
     cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     assert cached >= (6000 // BLOCK_SIZE - 1) * BLOCK_SIZE
     assert int(second.headers["x-predicted-cached-tokens"]) == cached
