@@ -13,15 +13,16 @@ second apart, streamed (TTFT is the first content chunk). Per mode:
    ``num_replicas`` alone, as an operator's ``serve deploy`` does, so the 2 replicas that
    stay keep their caches (a deploy of a Python-built application would replace them);
    the minute after the third serves is measured;
-3. scale-in: an operator drains the replica that served the most conversations in the
-   last minute (``POST /admin/replicas/{id}/drain``; a replica that Serve stops on
-   scale-in is left out the same way, but Serve picks it, often the idle newcomer); the
-   minute after is measured.
+3. a drain: an operator drains the replica that served the most conversations in the
+   last minute (``POST /admin/replicas/{id}/drain``: left out as a replica that Serve
+   stops, and its hot prefixes re-homed); the minute after is measured;
+4. scale-in to 2, after the drained replica is undrained and has served for 30 s: Serve
+   picks the replica it stops; the minute after it has left is measured.
 
 Reported per window: every request (hit rate = engine-reported cached / prompt tokens,
 TTFT p50 and p90), and the affected ones: after scale-out, the requests the new replica
-served; after the drain, the requests of the conversations whose last turn the drained
-replica served::
+served; after the drain and the scale-in, the requests of the conversations whose last turn
+the drained (removed) replica served::
 
     python -m loadtest.warmup_live [--minutes 1] [--users 8] [--doc]
 """
@@ -185,24 +186,40 @@ def run_mode(warmup: bool, a) -> list[dict]:
         c.post(f"/admin/replicas/{gone}/drain").raise_for_status()
         t_in = time.time()
         time.sleep(60)
+        c.post(f"/admin/replicas/{gone}/undrain").raise_for_status()
+        time.sleep(30)
+        three = _replicas(c)
+        deploy(2)
+        _wait(lambda: len(_replicas(c)) == 2, 300, "a replica to leave")
+        t_scale_in = time.time()
+        (removed,) = three - _replicas(c)
+        time.sleep(60)
         traffic.join()
     finally:
         serve.shutdown()
         ray.shutdown()
     samples = traffic.samples
-    out_window = [s for s in samples if t_out <= s.t_start < t_out + 60]
-    in_window = [s for s in samples if t_in <= s.t_start < t_in + 60]
-    last_home: dict[str, str] = {}
-    for s in sorted(samples, key=lambda s: s.t_start):
-        if s.t_start < t_in and s.ok:
-            last_home[s.session] = s.replica
-    moved = {k for k, r in last_home.items() if r == gone}
+    def window(t0: float) -> list[Sample]:
+        return [s for s in samples if t0 <= s.t_start < t0 + 60]
+
+    def homed_on(replica: str, before: float) -> set[str]:
+        """The conversations whose last turn before ``before`` ``replica`` served."""
+        last: dict[str, str] = {}
+        for s in sorted(samples, key=lambda s: s.t_start):
+            if s.t_start < before and s.ok:
+                last[s.session] = s.replica
+        return {k for k, r in last.items() if r == replica}
+
     label = "on" if warmup else "off"
-    for event, window, affected in (
-            ("scale-out 2 -> 3", out_window, [s for s in out_window if s.replica == new]),
-            ("drain of the busiest of 3", in_window,
-             [s for s in in_window if s.session in moved])):
-        rows.append({"event": event, "warmup": label, "all": _figures(window),
+    drained, scaled_in = homed_on(gone, t_in), homed_on(removed, t_scale_in)
+    for event, w, affected in (
+            ("scale-out 2 -> 3", window(t_out),
+             [s for s in window(t_out) if s.replica == new]),
+            ("drain of the busiest of 3", window(t_in),
+             [s for s in window(t_in) if s.session in drained]),
+            ("scale-in 3 -> 2", window(t_scale_in),
+             [s for s in window(t_scale_in) if s.session in scaled_in])):
+        rows.append({"event": event, "warmup": label, "all": _figures(w),
                      "affected": _figures(affected)})
     by_status = defaultdict(int)
     for s in samples:
@@ -245,8 +262,9 @@ def main(argv: list[str] | None = None) -> int:
             f"prompts of {a.system_tokens} tokens, {a.turns} turns {a.think_s:g} s apart, "
             f"{a.max_tokens} output tokens, step model {a.step_model}; Ray Serve on "
             f"{platform.node()}, {os.cpu_count()} cores. Affected: after scale-out, the "
-            "requests the new replica served; after the drain, those of conversations whose "
-            "last turn the drained replica served. Failed requests: "
+            "requests the new replica served; after the drain and the scale-in, those of "
+            "conversations whose last turn the drained (removed) replica served. Failed "
+            "requests: "
             + ", ".join(f"{r['event']} {r['warmup']} {r['all']['failed']}" for r in rows)
             + ".")
     return 0
