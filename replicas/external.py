@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Awaitable, Callable, Sequence
@@ -38,7 +39,6 @@ from replicas.watch import EngineWatch
 from router.config import ExternalEngine, Settings
 from router.index.base import IndexUnavailable, PrefixIndex
 from router.kv_events.feed import EventFeed
-from router.kv_events.wire import EventKind, KVEvent
 from router.logs import get_logger
 from router.routing.replica import ReplicaInfo, ReplicaMetadata
 
@@ -90,6 +90,7 @@ class ExternalReplica:
         self.watch = EngineWatch(self.replica_id, settings, self.client, self.feed)
         self.alive: bool | None = None
         self.hash_probe = ""
+        self._probed_at = 0.0  # time.monotonic() of the last hash probe
 
     def start(self) -> None:
         """Start the KV-event feed (on the running loop)."""
@@ -108,12 +109,24 @@ class ExternalReplica:
         elif alive and not self.alive:
             logger.info("external engine %s (%s) answers", self.replica_id, self.spec.url)
         self.alive = alive
-        if alive and not self.hash_probe:
+        if alive and self._probe_due():
+            self._probed_at = time.monotonic()
             self.hash_probe = await self.watch.probe_hashes()
             if self.hash_probe == "mismatch":
                 await self._ignore_events()
         stats = await self.watch.scrape(engine_alive=alive)
         return ReplicaInfo(self.replica_id, self.metadata(), stats)
+
+    REPROBE_S = 30.0  # how often a probe that could not run is tried again (s)
+
+    def _probe_due(self) -> bool:
+        """Probe once the engine first answers; again every ``REPROBE_S`` while the last
+        probe's request was refused (say, the engine was still loading its model or named
+        it otherwise), since its events, once probed, make its routing exact."""
+        if not self.hash_probe:
+            return True
+        return (self.feed is not None and not self.watch.probe_ran
+                and time.monotonic() - self._probed_at >= self.REPROBE_S)
 
     async def _answers(self) -> bool:
         """Whether the engine answers: its ``GET /health`` (vLLM's, llama.cpp's server's)
@@ -149,7 +162,7 @@ class ExternalReplica:
         await feed.stop()
         if feed.index is not None:
             try:
-                await feed.index.apply_events(self.replica_id, [KVEvent(EventKind.CLEARED)])
+                await feed.index.clear_replica(self.replica_id)
             except IndexUnavailable as exc:
                 logger.warning("could not clear %s's entries: %s", self.replica_id, exc)
 
@@ -185,6 +198,7 @@ class ExternalFleet:
         self.on_removed = on_removed
         self.publish = publish
         self.replicas: dict[str, ExternalReplica] = {}
+        self._uncleared: set[str] = set()  # left the fleet, entries not cleared yet
         self._file_stamp: tuple[float, int] | None = None
         self._from_file: list[ExternalEngine] = []
         self._me = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -252,6 +266,8 @@ class ExternalFleet:
         for rid in [r for r in self.replicas if r not in wanted
                     or wanted[r] != self.replicas[r].spec]:
             await self._remove(rid)
+        if self._uncleared:
+            await self._clear_removed()
         for rid, spec in wanted.items():
             if rid not in self.replicas:
                 r = ExternalReplica(spec, self.settings,
@@ -271,12 +287,24 @@ class ExternalFleet:
     async def _remove(self, rid: str) -> None:
         r = self.replicas.pop(rid)
         logger.info("external engine %s (%s) leaves the fleet", rid, r.spec.url)
-        await r.close()
-        try:
-            await self.index.apply_events(rid, [KVEvent(EventKind.CLEARED)])
-        except IndexUnavailable as exc:
-            logger.warning("could not clear %s's entries: %s", rid, exc)
+        await r.close()  # its feed stopped: nothing of this process writes its events now
+        self._uncleared.add(rid)
+        await self._clear_removed()
         await self.on_removed(rid)
+
+    async def _clear_removed(self) -> None:
+        """Clear the entries of the engines that left, once each; a clear the index did not
+        take is tried again on the next poll, unless the engine was listed again."""
+        for rid in list(self._uncleared):
+            if rid in self.replicas:
+                self._uncleared.discard(rid)  # back in the fleet: its feed rewrites it
+                continue
+            try:
+                await self.index.clear_replica(rid)
+                self._uncleared.discard(rid)
+            except IndexUnavailable as exc:
+                logger.warning("could not clear %s's entries (%s); trying again on the "
+                               "next poll", rid, exc)
 
     async def _renew_leases(self) -> None:
         """Hold (or take) the feeder lease of each engine with a feed; write its events to

@@ -48,6 +48,7 @@ class EngineWatch:
         self.rate = PrefillRateEstimator(settings.prefill_tokens_per_s)
         self.stats = RoutingStats()
         self._scraped_at: float | None = None  # time.monotonic() of the last good scrape
+        self.probe_ran = False  # whether the last probe_hashes got its request answered
 
     def scrape_age_s(self) -> float:
         """Seconds since the last successful ``scrape`` (infinite before the first)."""
@@ -102,8 +103,10 @@ class EngineWatch:
         Returns:
             ``"ok"``; ``"mismatch"`` (events came, with other hashes: the engine hashes
             differently, logged loudly); or ``"no_events"`` (none came within
-            ``timeout_s``, or the probe could not run: predicted entries only).
+            ``timeout_s``, or the probe could not run: predicted entries only;
+            ``probe_ran`` then tells the two apart).
         """
+        self.probe_ran = False
         if self.feed is None:
             return "no_events"
         bs = self.settings.block_size
@@ -118,6 +121,7 @@ class EngineWatch:
         except httpx.HTTPError as exc:
             logger.error("hash probe of replica %s could not run: %s", self.replica_id, exc)
             return "no_events"
+        self.probe_ran = True
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             held = self.feed.record.exact_entries(self.replica_id)

@@ -15,6 +15,7 @@ import redis
 from replicas.engine import free_port
 from replicas.external import ExternalFleet, read_engines_file
 from router.config import ExternalEngine, Settings
+from router.index.base import IndexUnavailable
 from router.index.memory import MemoryPrefixIndex
 from router.index.redis import RedisPrefixIndex
 from tests.conftest import REDIS_URL, EngineServer
@@ -141,3 +142,35 @@ def test_an_engines_file_is_checked(tmp_path):
             read_engines_file(str(path))
     with pytest.raises(ValueError, match="direct data path"):
         Settings(external_engines=["http://a:1"], data_path="serve")
+
+
+async def test_a_removed_engines_entries_are_cleared_even_when_the_index_misses_a_call(
+        sims, model_dir, tmp_path):
+    """The clear of an engine that left is not lost to one unanswered index call (CI, under
+    load, once left a removed engine's 138 exact entries in Redis): it is tried again on the
+    next poll, and an engine listed again before that keeps its entries."""
+
+    class FlakyIndex(MemoryPrefixIndex):
+        refusals = 1
+
+        async def clear_replica(self, replica: str) -> None:
+            if self.refusals:
+                self.refusals -= 1
+                raise IndexUnavailable("no answer within the timeout")
+            await super().clear_replica(replica)
+
+    path = tmp_path / "engines.json"
+    path.write_text(json.dumps([sims["same"].model_dump(mode="json")]))
+    index = FlakyIndex()
+    fleet = _fleet(Settings(model=str(model_dir), external_engines_file=str(path)), index, [])
+    rid = sims["same"].replica_id
+    try:
+        assert (await fleet.poll())[0].metadata.hash_probe == "ok"
+        assert index.exact_entries(rid)  # the probe's blocks
+        path.write_text("[]")
+        assert await fleet.poll() == ()
+        assert index.exact_entries(rid)  # the index missed the clear ...
+        await fleet.poll()
+        assert not index.exact_entries(rid)  # ... and the next poll made it
+    finally:
+        await fleet.stop()

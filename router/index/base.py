@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from router.hashing import BlockHash
-from router.kv_events.wire import KVEvent
+from router.kv_events.wire import EventKind, KVEvent
 
 
 # A replica that left is purged for good: its writes are refused this long (s) after
@@ -96,6 +96,17 @@ class PrefixIndex(ABC):
     async def apply_events(self, replica: str, events: Sequence[KVEvent]) -> None:
         """Apply one engine's KV events, in order, to its exact entries (``AllBlocksCleared``
         also drops the replica's predicted entries: they predate the clear)."""
+
+    async def clear_replica(self, replica: str) -> None:
+        """Forget every entry (exact and predicted) of ``replica`` without a tombstone: the
+        replica may come back under the same id (an engine reached by URL that leaves the
+        engines file and is listed again). An ``AllBlocksCleared``, bounded like a purge
+        (a removal must not be lost because a loaded machine answered late).
+
+        Raises:
+            IndexUnavailable: the index did not answer.
+        """
+        await self.apply_events(replica, [KVEvent(EventKind.CLEARED)])
 
     @abstractmethod
     async def remove_replica(self, replica: str) -> None:

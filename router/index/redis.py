@@ -190,6 +190,9 @@ class RedisPrefixIndex(PrefixIndex):
         lost because a loaded machine answered late."""
         await self._run_events(replica, [EventOp.PURGE.value, GONE_TTL_S], maintenance=True)
 
+    async def clear_replica(self, replica: str) -> None:
+        await self._run_events(replica, [EventOp.CLEARED.value], maintenance=True)
+
     async def exact_entry_count(self, replica: str) -> int:
         async def run(client):
             return await client.hlen(self.keys.exact(replica))
