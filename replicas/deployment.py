@@ -295,7 +295,8 @@ class EngineReplica:
                 # its load fields, and any lease left of its requests (all are over once
                 # the drain succeeded; a router's later release of one is then a no-op)
                 from router.load.redis import RedisLoadTracker
-                await RedisLoadTracker(self.index.conn, self.settings.index_namespace
+                await RedisLoadTracker(self.index.conn, self.settings.index_namespace,
+                                       shard_groups=self.settings.index_shard_groups
                                        ).remove_replica(self.replica_id)
             except IndexUnavailable:
                 logger.warning("replica %s could not remove its index entries (Redis "

@@ -245,6 +245,28 @@ class Settings(BaseSettings):
         0.05, gt=0, description="Bound on one index round trip; beyond it routing falls back to "
                                 "load alone for that request.")
     index_namespace: str = Field("prefix-router", description="Prefix of every Redis key.")
+    redis_cluster: bool = Field(
+        False, description="redis_url is a node of a Redis Cluster: the router uses redis-py's "
+                           "cluster client, and the index and load keys are laid out in "
+                           "index_shard_groups shard groups (required with it), so that each "
+                           "atomic decision is one round trip to one shard "
+                           "(docs/scaling.md).")
+    index_shard_groups: Optional[int] = Field(
+        None, ge=1, le=16384,
+        description="Shard groups of the index (the Redis Cluster mode): the replicas are "
+                    "partitioned into this many groups by rendezvous hashing of their ids, "
+                    "every key of a group carries the group's hash tag (one cluster slot), "
+                    "and a decision picks a group in the router (the prefixes this router "
+                    "sent there, else consistent hashing of the prompt's first block with "
+                    "bounded loads), then the replica within it in one script. About one "
+                    "group per 8-16 replicas, and at least one per cluster master. None: "
+                    "one Redis, no groups (every replica is a candidate of every decision).")
+    index_group_load_factor: float = Field(
+        1.25, ge=1.0,
+        description="With index_shard_groups: a group whose requests in flight per replica "
+                    "would exceed max(factor x mean, mean + 2) is passed over by the choice "
+                    "of the group while another is within it (consistent hashing with "
+                    "bounded loads).")
     predicted_ttl_s: float = Field(
         600.0, gt=0, description="Lifetime of predicted index entries for a replica whose "
                                  "engine publishes no KV events (approximate mode): minutes, "
@@ -491,6 +513,14 @@ class Settings(BaseSettings):
                 a.path = str(Path(a.path).resolve())
         if self.tokenizer is None:
             self.tokenizer = self.model
+        if self.redis_cluster and not (self.redis_url and self.index_shard_groups):
+            raise ValueError("redis_cluster needs redis_url (a node of the cluster) and "
+                             "index_shard_groups (the keys of a decision must lie in one "
+                             "slot)")
+        if self.index_shard_groups and ("{" in self.index_namespace
+                                        or "}" in self.index_namespace):
+            raise ValueError("with index_shard_groups, index_namespace may hold no brace: "
+                             "the first {...} of every key must be its group's hash tag")
         if (self.external_engines or self.external_engines_file) and self.data_path != "direct":
             raise ValueError("external_engines are reached on the direct data path only: a "
                              "Serve handle reaches only the engine replicas Ray runs")

@@ -1,6 +1,16 @@
 """Every Redis key name and every Lua script of the router, in one place.
 
-Key layout (``<ns>`` is ``Settings.index_namespace``; only hashes and counters, never text):
+Key layout (``<ns>`` is ``Settings.index_namespace``; only hashes and counters, never text).
+On one Redis the keys of the index and of the load are as listed below. With shard groups
+(``Settings.index_shard_groups``, the Redis Cluster mode; ``ShardGroups``), each of them
+that the route script touches carries its group's hash tag instead: ``<ns>:{<tag>}:x:<replica>``,
+``<ns>:{<tag>}:p:<replica>``, ``<ns>:{<tag>}:gone:<replica>``, ``<ns>:{<tag>}:replicas``,
+``<ns>:{<tag>}:load``, ``<ns>:{<tag>}:leases``, ``<ns>:{<tag>}:router:<id>``, so that a
+group's keys hash to one slot, hence one shard (Redis Cluster hashes only the part in
+braces: redis.io/docs/latest/operate/oss_and_stack/reference/cluster-spec/, "Hash tags").
+The other keys (sessions, drained set, leases of the warm-up and of the feeders) are read
+and written one key per command, so they need no tag; a tenant's rate counters, read
+together by one script, share the tag of the tenant's digest.
 
 Block hashes are field names of 8 bytes (the 64-bit hash, big-endian: ``block_fields``).
 
@@ -28,9 +38,9 @@ Block hashes are field names of 8 bytes (the 64-bit hash, big-endian: ``block_fi
   that left (``rehome``); the prefixes' token ids stay in that process's memory;
 * ``<ns>:feeder:<replica>``: the lease (``SET NX`` with a TTL, renewed) of the one ingress
   process that writes the KV events of an engine reached by URL (``replicas.external``);
-* ``<ns>:rate:<tenant digest>:<kind>:<window>``: a tenant's requests or tokens in one
+* ``<ns>:rate:{<tenant digest>}:<kind>:<window>``: a tenant's requests or tokens in one
   minute window (``lua/rate_limit.lua``; the tenant's name is not stored, only the first 16
-  hex digits of its SHA-256).
+  hex digits of its SHA-256; the braces put a tenant's counters in one cluster slot).
 
 The scripts live beside this module in ``lua/``; ``Scripts`` registers them on a client by
 name.
@@ -49,28 +59,35 @@ _LUA_DIR = Path(__file__).with_name("lua")
 
 
 class RedisKeys:
-    """The key names of one namespace.
+    """The key names of one namespace, or of one shard group of it.
 
     Args:
         namespace: the prefix of every key (``Settings.index_namespace``).
+        tag: the hash tag of a shard group (``ShardGroups.tags``), or None (one Redis: the
+            keys as they are without groups). With a tag, the keys the route script touches
+            (entries, tombstones, replicas set, load, leases, heartbeats) are
+            ``<ns>:{<tag>}:...``; the others are the same as without.
     """
 
-    def __init__(self, namespace: str):
+    def __init__(self, namespace: str, tag: str | None = None):
         self.namespace = namespace
-        self.load = f"{namespace}:load"
-        self.leases = f"{namespace}:leases"
-        self.replicas = f"{namespace}:replicas"
-        self.router_prefix = f"{namespace}:router:"
+        self.tag = tag
+        base = f"{namespace}:{{{tag}}}" if tag is not None else namespace
+        self.base = base
+        self.load = f"{base}:load"
+        self.leases = f"{base}:leases"
+        self.replicas = f"{base}:replicas"
+        self.router_prefix = f"{base}:router:"
         self.session_prefix = f"{namespace}:session:"  # + session digest: its replica
         self.drained = f"{namespace}:drained"  # set of the replicas an operator drained
 
     def exact(self, replica: str) -> str:
         """The replica's exact entries (block hash -> copies)."""
-        return f"{self.namespace}:x:{replica}"
+        return f"{self.base}:x:{replica}"
 
     def predicted(self, replica: str) -> str:
         """The replica's predicted entries (block hash -> expiry ms)."""
-        return f"{self.namespace}:p:{replica}"
+        return f"{self.base}:p:{replica}"
 
     def replica_entries(self, replica: str) -> list[str]:
         """The replica's exact then predicted hash: the pair ``lua/route.lua`` reads per
@@ -79,7 +96,7 @@ class RedisKeys:
 
     def gone(self, replica: str) -> str:
         """The tombstone of a replica that left (``GONE_TTL_S``)."""
-        return f"{self.namespace}:gone:{replica}"
+        return f"{self.base}:gone:{replica}"
 
     def feeder(self, replica: str) -> str:
         """The lease of the router process that writes an external engine's KV events
@@ -97,15 +114,107 @@ class RedisKeys:
 
     def rate(self, tenant: str, kind: str, window: int) -> str:
         """A tenant's counter of ``kind`` (``requests`` or ``tokens``) in window number
-        ``window`` (now // window length)."""
+        ``window`` (now // window length). The digest is the key's hash tag: a tenant's
+        counters, which ``lua/rate_limit.lua`` reads together, lie in one cluster slot."""
         import hashlib
 
         digest = hashlib.sha256(tenant.encode("utf-8", "surrogatepass")).hexdigest()[:16]
-        return f"{self.namespace}:rate:{digest}:{kind}:{window}"
+        return f"{self.namespace}:rate:{{{digest}}}:{kind}:{window}"
 
     def pattern(self) -> str:
         """``SCAN`` pattern of every key of the namespace."""
         return f"{self.namespace}:*"
+
+
+CLUSTER_SLOTS = 16384  # Redis Cluster's hash slots (the cluster spec's "Keys distribution model")
+
+
+def group_tag(group: int, groups: int) -> str:
+    """The hash tag of shard group ``group`` of ``groups``: ``g<group>``, or the first
+    ``g<group>.<j>`` (j = 1, 2, ...) whose slot lies in the group's share of the slot space,
+    ``[group * 16384 / groups, (group + 1) * 16384 / groups)``.
+
+    ``redis-cli --cluster create`` gives each master an equal run of slots, so the groups
+    then spread evenly over the masters (``{g0}``, ``{g1}``, ``{g2}`` alone hash to slots
+    13907, 9842 and 5649, which can land on one master). The slot is Redis's CRC16 of the
+    tag (``redis.crc.key_slot``). Every router computes the same tags from ``groups``.
+
+    Raises:
+        ValueError: ``group`` outside ``[0, groups)``, or ``groups`` outside
+            ``[1, 16384]``.
+    """
+    from redis.crc import key_slot
+
+    if not 1 <= groups <= CLUSTER_SLOTS or not 0 <= group < groups:
+        raise ValueError(f"group {group} of {groups}: need 0 <= group < groups <= "
+                         f"{CLUSTER_SLOTS}")
+    j = 0
+    while True:
+        tag = f"g{group}" if j == 0 else f"g{group}.{j}"
+        if key_slot(tag.encode()) * groups // CLUSTER_SLOTS == group:
+            return tag
+        j += 1
+
+
+class ShardGroups:
+    """The fleet's replicas partitioned into shard groups, and each group's key names.
+
+    A group's keys carry its hash tag (``group_tag``), so they lie in one cluster slot: the
+    route script over a group's replicas is one round trip to one shard. A replica belongs
+    to the group of highest rendezvous weight (highest random weight hashing, Thaler and
+    Ravishankar 1998): BLAKE2b-64 of ``"<replica>\0<group>"``, so every router assigns
+    alike without talking to the others, and a change in ``groups`` moves only about
+    ``1 / groups`` of the replicas per group added.
+
+    Args:
+        namespace: ``Settings.index_namespace``.
+        groups: the number of shard groups (``Settings.index_shard_groups``), or None:
+            one Redis, one group whose keys carry no tag (the layout without groups).
+    Raises:
+        ValueError: ``groups`` outside ``[1, 16384]``.
+    """
+
+    def __init__(self, namespace: str, groups: int | None = None):
+        if groups is not None and not 1 <= groups <= CLUSTER_SLOTS:
+            raise ValueError(f"index_shard_groups must be in [1, {CLUSTER_SLOTS}], "
+                             f"got {groups}")
+        if groups is not None and ("{" in namespace or "}" in namespace):
+            raise ValueError(f"with shard groups the namespace may hold no brace (its "
+                             f"keys' first {{...}} must be the group's tag): {namespace!r}")
+        self.namespace = namespace
+        self.tagged = groups is not None
+        self.count = groups or 1
+        self.tags: list[str | None] = [group_tag(k, groups) for k in range(groups)] \
+            if groups else [None]
+        self.keys = [RedisKeys(namespace, t) for t in self.tags]
+        self._of: dict[str, int] = {}
+
+    def group_of(self, replica: str) -> int:
+        """The group of ``replica``, in ``[0, count)`` (0 without groups)."""
+        g = self._of.get(replica)
+        if g is None:
+            if self.count == 1:
+                g = 0
+            else:
+                import hashlib
+
+                raw = replica.encode("utf-8", "surrogatepass")
+                g = max(range(self.count), key=lambda k: hashlib.blake2b(
+                    raw + b"\0" + str(k).encode(), digest_size=8).digest())
+            self._of[replica] = g
+        return g
+
+    def keys_of(self, replica: str) -> RedisKeys:
+        """The key names of ``replica``'s group."""
+        return self.keys[self.group_of(replica)]
+
+    def split(self, replicas: Sequence[str]) -> dict[int, list[str]]:
+        """``replicas`` by group, each list in the order given; groups in order of their
+        first replica."""
+        out: dict[int, list[str]] = {}
+        for r in replicas:
+            out.setdefault(self.group_of(r), []).append(r)
+        return out
 
 
 class LoadField(str, Enum):

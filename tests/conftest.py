@@ -401,3 +401,16 @@ def secure_redis(tmp_path_factory):
     r = SecureRedis(tmp_path_factory.mktemp("secure-redis"))
     yield r
     r.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory):
+    """A Redis Cluster of the tests' own: three ``redis-server --cluster-enabled yes``
+    masters on free loopback ports, no persistence, joined by ``redis-cli --cluster
+    create`` and ``cluster_state:ok`` (``loadtest.redis_cluster.LocalRedisCluster``); its
+    nodes are killed at the session's end, and die with the test process if it is killed."""
+    from loadtest.redis_cluster import LocalRedisCluster
+
+    cluster = LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster"), masters=3)
+    yield cluster
+    cluster.stop()

@@ -14,13 +14,17 @@ from router.index.redis import RedisConnections, RedisPrefixIndex
 from router.kv_events.wire import KVEvent
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
+CLUSTER_GROUPS = 3
 
 
-@pytest.fixture(params=["memory", "fakeredis", "redis", "redis-tls-acl"])
+@pytest.fixture(params=["memory", "fakeredis", "redis", "redis-tls-acl", "redis-cluster"])
 async def index(request):
     """Every backend; ``redis-tls-acl``: a Redis of the tests' own that takes TLS with
     client certificates only, as an ACL user allowed the router's commands alone
-    (``router.redis_keys.acl_rules``), with its password in the URL."""
+    (``router.redis_keys.acl_rules``), with its password in the URL; ``redis-cluster``: a
+    local Redis Cluster of three masters (``conftest.redis_cluster``), the keys in three
+    shard groups, one per master (``A`` and ``B`` fall in one group, ``C`` in another;
+    tests/test_redis_cluster.py looks up across groups)."""
     clock = ManualClock(time.time())  # Redis expires keys by wall time: start there
     if request.param == "memory":
         idx = MemoryPrefixIndex(clock=clock)
@@ -31,6 +35,12 @@ async def index(request):
         secure = request.getfixturevalue("secure_redis")
         conn = RedisConnections(secure.url, 2.0, secure.connection_kwargs)
         idx = RedisPrefixIndex(secure.url, namespace=ns, clock=clock, connections=conn)
+    elif request.param == "redis-cluster":
+        cluster = request.getfixturevalue("redis_cluster")
+        conn = RedisConnections(cluster.url, 2.0, cluster=True)
+        idx = RedisPrefixIndex(cluster.url, namespace=ns, clock=clock, connections=conn,
+                               shard_groups=CLUSTER_GROUPS)
+        assert len({idx.groups.group_of(r) for r in "ABC"}) == 2
     else:
         idx = RedisPrefixIndex(REDIS_URL, namespace=ns, timeout_s=2.0, clock=clock)
     if request.param == "fakeredis":

@@ -16,22 +16,32 @@ from router.load.redis import RedisLoadTracker
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
 
-@pytest.fixture(params=["memory", "fakeredis", "redis"])
+@pytest.fixture(params=["memory", "fakeredis", "redis", "redis-cluster"])
 async def load(request):
+    """Every tracker; ``redis-cluster``: on a local Redis Cluster of three masters
+    (``conftest.redis_cluster``), the keys in three shard groups (``A`` and ``B`` in one,
+    tests/test_redis_cluster.py moves requests across groups)."""
     clock = ManualClock(time.time())
     if request.param == "memory":
         yield MemoryLoadTracker(clock=clock)
         return
-    conn = RedisConnections(REDIS_URL, 2.0)
+    groups = None
+    if request.param == "redis-cluster":
+        url, groups = request.getfixturevalue("redis_cluster").url, 3
+        conn = RedisConnections(url, 2.0, cluster=True)
+    else:
+        conn = RedisConnections(REDIS_URL, 2.0)
     if request.param == "fakeredis":
         import fakeredis
         fake = fakeredis.FakeAsyncRedis()
         conn.client = lambda *timeout: fake  # the fake server stands in for the URL
-    tracker = RedisLoadTracker(conn, f"test-load-{uuid.uuid4().hex[:8]}", clock=clock)
+    tracker = RedisLoadTracker(conn, f"test-load-{uuid.uuid4().hex[:8]}", clock=clock,
+                               shard_groups=groups)
     yield tracker
     client = conn.client()
-    for key in tracker.keys:
-        await client.delete(key)
+    for g in range(tracker.groups.count):
+        for key in tracker.group_keys(g):
+            await client.delete(key)
     await tracker.close()
 
 

@@ -10,6 +10,12 @@ Each call is bounded by ``timeout_s``; past it, or when Redis is down, ``IndexUn
 is raised and routing decides by load. The asyncio client belongs to the event loop that
 created it, so one is made lazily per loop (the Ray router runs on its own loop,
 docs/reference.md 1.2).
+
+On a Redis Cluster (``Settings.redis_cluster``) the client is redis-py's ``RedisCluster``
+and the keys are laid out in shard groups (``Settings.index_shard_groups``,
+``router.redis_keys.ShardGroups``): every script call names the keys of one group only,
+hence one slot and one shard. A lookup over replicas of several groups runs one script per
+group, the groups' at once (docs/scaling.md).
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import asyncio
 from typing import Any, Sequence
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 
 from router.clock import Clock, SystemClock
 from router.config import redact_url
@@ -26,8 +32,8 @@ from router.hashing import BlockHash
 from router.index.base import IndexStats, IndexUnavailable, PrefixIndex
 from router.kv_events.wire import EventKind, KVEvent
 from router.logs import get_logger
-from router.redis_keys import (GONE_TTL_S, EventOp, RedisKeys, ScriptCache, block_fields,
-                               pack_hashes)
+from router.redis_keys import (GONE_TTL_S, EventOp, RedisKeys, ScriptCache, ShardGroups,
+                               block_fields, pack_hashes)
 
 logger = get_logger(__name__)
 
@@ -37,22 +43,27 @@ class RedisConnections:
 
     Args:
         url: Redis URL, e.g. ``redis://127.0.0.1:6379/0``, ``redis://user:password@host``,
-            ``rediss://...`` for TLS.
+            ``rediss://...`` for TLS. On a cluster: any one node's (the client learns the
+            others from it), database 0.
         timeout_s: socket connect and read timeout; also the bound of each call.
         connection_kwargs: further ``Redis.from_url`` arguments (TLS files:
             ``Settings.redis_connection_kwargs``).
+        cluster: the URL is a Redis Cluster node's (``Settings.redis_cluster``): the client
+            is ``redis.asyncio.cluster.RedisCluster``, which sends each command to the
+            master of its keys' slot and follows ``MOVED``/``ASK`` redirections.
     """
 
     # bound of the calls that must not be lost (lease releases): longer than a routing call's
     MAINTENANCE_TIMEOUT_S = 2.0
 
     def __init__(self, url: str, timeout_s: float,
-                 connection_kwargs: dict[str, Any] | None = None):
+                 connection_kwargs: dict[str, Any] | None = None, cluster: bool = False):
         self.url = url
         self.timeout_s = timeout_s
         self.connection_kwargs = dict(connection_kwargs or {})
+        self.cluster = cluster
         self.shown_url = redact_url(url)  # for messages: never the password
-        self._clients: dict[tuple[int, float], aioredis.Redis] = {}
+        self._clients: dict[tuple[int, float], Any] = {}
 
     def client(self, timeout_s: float | None = None) -> aioredis.Redis:
         """This event loop's client whose connect timeout is ``timeout_s`` (default: the
@@ -69,10 +80,18 @@ class RedisConnections:
         key = (id(asyncio.get_running_loop()), t)
         c = self._clients.get(key)
         if c is None:
-            c = aioredis.Redis.from_url(
-                self.url, socket_timeout=None, socket_connect_timeout=t,
-                retry_on_timeout=False, health_check_interval=0, decode_responses=False,
-                **self.connection_kwargs)
+            if self.cluster:
+                from redis.asyncio.cluster import RedisCluster
+
+                c = RedisCluster.from_url(
+                    self.url, socket_timeout=None, socket_connect_timeout=t,
+                    health_check_interval=0, decode_responses=False,
+                    **self.connection_kwargs)
+            else:
+                c = aioredis.Redis.from_url(
+                    self.url, socket_timeout=None, socket_connect_timeout=t,
+                    retry_on_timeout=False, health_check_interval=0, decode_responses=False,
+                    **self.connection_kwargs)
             self._clients[key] = c
         return c
 
@@ -84,7 +103,7 @@ class RedisConnections:
         try:
             async with asyncio.timeout(t):  # no extra task, unlike wait_for
                 return await coro_fn(self.client(t), *args)
-        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+        except (RedisError, RedisClusterException, OSError, asyncio.TimeoutError) as exc:
             raise IndexUnavailable(f"redis at {self.shown_url}: {type(exc).__name__}: "
                                    f"{exc}") from exc
 
@@ -102,41 +121,79 @@ class RedisPrefixIndex(PrefixIndex):
         namespace: prefix of every key.
         timeout_s: bound of one call (``Settings.redis_timeout_s``).
         clock: time source for predicted-entry expiry (ms precision in Redis).
+        connections: the connections to use (default: new ones for ``url``).
+        shard_groups: ``Settings.index_shard_groups``: None for one Redis (the keys as
+            they are without groups), else the number of shard groups
+            (``router.redis_keys.ShardGroups``), required on a Redis Cluster.
+    Raises:
+        ValueError: ``shard_groups`` out of range, or a brace in ``namespace`` with groups.
     """
 
     def __init__(self, url: str, namespace: str = "prefix-router", timeout_s: float = 0.05,
-                 clock: Clock | None = None, connections: RedisConnections | None = None):
+                 clock: Clock | None = None, connections: RedisConnections | None = None,
+                 shard_groups: int | None = None):
         self.ns = namespace
-        self.keys = RedisKeys(namespace)
+        self.groups = ShardGroups(namespace, shard_groups)
         self.clock = clock or SystemClock()
         self.conn = connections or RedisConnections(url, timeout_s)
         self.scripts = ScriptCache()
         self._refused_warned: dict[str, bool] = {}
+
+    @property
+    def keys(self) -> RedisKeys:
+        """The key names without groups (one Redis).
+
+        Raises:
+            RuntimeError: with shard groups, whose keys are per group (``keys_of``).
+        """
+        if self.groups.tagged:
+            raise RuntimeError("with shard groups a replica's keys are keys_of(replica)")
+        return self.groups.keys[0]
+
+    def keys_of(self, replica: str) -> RedisKeys:
+        """The key names of ``replica``'s group (the namespace's without groups)."""
+        return self.groups.keys_of(replica)
 
     def _now_ms(self) -> int:
         return int(self.clock.now() * 1000)
 
     async def lookup(self, block_hashes: Sequence[BlockHash],
                      replicas: Sequence[str]) -> dict[str, int]:
+        """See ``PrefixIndex.lookup``: one ``lua/route.lua`` call (lookup mode) per shard
+        group of ``replicas``, the groups' at once (one call without groups)."""
         if not replicas:
             return {}
         if not block_hashes:
             return {r: 0 for r in replicas}
-        keys = [k for r in replicas for k in self.keys.replica_entries(r)]
-        args = ["lookup", self._now_ms(), len(replicas), pack_hashes(block_hashes)]
+        now, packed = self._now_ms(), pack_hashes(block_hashes)
 
-        async def run(client):
-            return await self.scripts.of(client).route(keys=keys, args=args)
+        async def one(group: int, reps: list[str]) -> list:
+            k = self.groups.keys[group]
+            keys = [key for r in reps for key in k.replica_entries(r)]
+            args = ["lookup", now, len(reps), packed]
 
-        res = await self.conn.call(run)
-        return {r: int(n) for r, n in zip(replicas, res[1:])}
+            async def run(client):
+                return await self.scripts.of(client).route(keys=keys, args=args)
+
+            return (await self.conn.call(run))[1:len(reps) + 1]
+
+        parts = self.groups.split(replicas)
+        if len(parts) == 1:
+            ((g, reps),) = parts.items()
+            found = [(reps, await one(g, reps))]
+        else:
+            found = list(zip(parts.values(), await asyncio.gather(
+                *(one(g, reps) for g, reps in parts.items()))))
+        out = {r: int(n) for reps, res in found for r, n in zip(reps, res)}
+        return {r: out[r] for r in replicas}
 
     async def record_predicted(self, replica: str, block_hashes: Sequence[BlockHash],
                                ttl_s: float) -> None:
         if not block_hashes:
             return
         now = self._now_ms()
-        keys = [self.keys.predicted(replica), self.keys.replicas]
+        k = self.keys_of(replica)
+        keys = [k.predicted(replica), k.replicas]
         args = [replica, now + int(ttl_s * 1000), now, pack_hashes(block_hashes)]
 
         async def run(client):
@@ -147,7 +204,7 @@ class RedisPrefixIndex(PrefixIndex):
     async def forget_predicted(self, replica: str, block_hashes: Sequence[BlockHash]) -> None:
         if not block_hashes:
             return
-        key = self.keys.predicted(replica)
+        key = self.keys_of(replica).predicted(replica)
         fields = block_fields(block_hashes)
 
         async def run(client):
@@ -172,8 +229,8 @@ class RedisPrefixIndex(PrefixIndex):
             await self._run_events(replica, ops)
 
     async def _run_events(self, replica: str, ops: list[Any], maintenance: bool = False) -> None:
-        keys = self.keys.replica_entries(replica) + [self.keys.replicas,
-                                                     self.keys.gone(replica)]
+        k = self.keys_of(replica)
+        keys = k.replica_entries(replica) + [k.replicas, k.gone(replica)]
 
         async def run(client):
             return await self.scripts.of(client).apply_events(keys=keys, args=[replica, *ops])
@@ -195,17 +252,23 @@ class RedisPrefixIndex(PrefixIndex):
 
     async def exact_entry_count(self, replica: str) -> int:
         async def run(client):
-            return await client.hlen(self.keys.exact(replica))
+            return await client.hlen(self.keys_of(replica).exact(replica))
 
         return int(await self.conn.call(run))
 
     async def stats(self) -> IndexStats:
+        """Entries of every replica in the replicas set of each group (``blocks`` is -1);
+        a pipeline of one key per command, which a cluster client spreads over shards."""
         async def run(client):
-            replicas = await client.smembers(self.keys.replicas)
             pipe = client.pipeline(transaction=False)
-            for r in replicas:
-                for key in self.keys.replica_entries(r.decode()):
-                    pipe.hlen(key)
+            for k in self.groups.keys:
+                pipe.smembers(k.replicas)
+            members = await pipe.execute()
+            pipe = client.pipeline(transaction=False)
+            for k, replicas in zip(self.groups.keys, members):
+                for r in replicas:
+                    for key in k.replica_entries(r.decode()):
+                        pipe.hlen(key)
             counts = await pipe.execute()
             return sum(counts)
 
@@ -213,10 +276,11 @@ class RedisPrefixIndex(PrefixIndex):
         return IndexStats(blocks=-1, entries=int(entries))
 
     async def flush(self) -> None:
-        """Delete every key of this namespace (tests and ``FLUSHDB``-style resets)."""
+        """Delete every key of this namespace (tests and ``FLUSHDB``-style resets; on a
+        cluster, ``SCAN`` runs on every master)."""
         async def run(client):
             n = 0
-            async for key in client.scan_iter(match=self.keys.pattern(), count=1000):
+            async for key in client.scan_iter(match=self.groups.keys[0].pattern(), count=1000):
                 n += await client.delete(key)
             return n
 

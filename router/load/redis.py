@@ -8,7 +8,16 @@ router's sweep releases the leases of routers whose heartbeat is gone (a killed 
 process leaves no phantom load, docs/fault-cases.md 5.1).
 
 The tracker keeps leases and counts only: the one-round-trip decision that reserves with
-them is ``router.routing.atomic.AtomicRoute``. When Redis fails, every method falls back
+them is ``router.routing.atomic.AtomicRoute``.
+
+With shard groups (``Settings.index_shard_groups``, the Redis Cluster mode), each group has
+its own load hash, lease hash and router heartbeats, under the group's hash tag
+(``router.redis_keys.ShardGroups``): a replica's counts live in its group's hash, a
+request's lease in the group of the replica it was reserved on (this router remembers
+which), and a router keeps a heartbeat, and sweeps the leases of dead routers, in the
+groups it has routed to within its heartbeat's TTL (a group no live router uses has no
+decision that its stale counts could mislead; a router that starts using it sweeps it on
+its next heartbeat). When Redis fails, every method falls back
 to this process's own reservations (``local``), so decisions continue by the load this router
 knows, and the failure is reported as ``IndexUnavailable`` where a caller needs to know.
 
@@ -33,7 +42,7 @@ from router.index.redis import RedisConnections
 from router.load.base import LoadTracker, ReplicaLoad, Reservation
 from router.load.memory import MemoryLoadTracker
 from router.logs import get_logger
-from router.redis_keys import LoadField, RedisKeys, ScriptCache
+from router.redis_keys import LoadField, ShardGroups, ScriptCache
 
 logger = get_logger(__name__)
 
@@ -45,22 +54,33 @@ class RedisLoadTracker(LoadTracker):
         connections: the Redis connections (shared with the Redis index).
         namespace: key prefix.
         heartbeat_ttl_s: a router silent this long is dead; its leases are released.
+        shard_groups: ``Settings.index_shard_groups`` (None: one Redis, no groups); the
+            same as the index's.
+    Raises:
+        ValueError: ``shard_groups`` out of range (``ShardGroups``).
     """
 
     def __init__(self, connections: RedisConnections, namespace: str = "prefix-router",
                  heartbeat_ttl_s: float = 30.0,
-                 clock: Clock | None = None):
+                 clock: Clock | None = None, shard_groups: int | None = None):
         self.conn = connections
         self.ns = namespace
+        self.groups = ShardGroups(namespace, shard_groups)
         self.clock = clock or SystemClock()
         self.heartbeat_ttl_s = heartbeat_ttl_s
         self.router_id = uuid.uuid4().hex[:12]
         self.local = MemoryLoadTracker(clock=self.clock)
         self.scripts = ScriptCache()
         self._heartbeat_task: asyncio.Task | None = None
-        self.redis_keys = RedisKeys(namespace)
-        self.keys = [self.redis_keys.load, self.redis_keys.leases]  # lease.lua's KEYS
-        self.heartbeat_key = self.redis_keys.heartbeat(self.router_id)
+        # without groups: the namespace's keys; with groups, group 0's (``group_keys``)
+        self.redis_keys = self.groups.keys[0]
+        self.keys = self.group_keys(0)  # lease.lua's KEYS
+        self.heartbeat_key = self.heartbeat_key_of(0)
+        # with groups: request id -> the group of its current lease, and of its pending
+        # release (``_unreleased``); group -> when this router last reserved there (s)
+        self._lease_group: dict[str, int] = {}
+        self._release_group: dict[str, int] = {}
+        self._used: dict[int, float] = {}
         self._attempt_ids = itertools.count(1)
         self._owners: dict[str, str] = {}  # request id -> its current lease's owner
         self._unreleased: dict[str, str] = {}  # releases Redis has not taken: id -> owner
@@ -68,6 +88,47 @@ class RedisLoadTracker(LoadTracker):
         # (corrected in ``loads``): reservations whose write failed, releases not taken
         self._unsynced: dict[str, Reservation] = {}
         self._stale: dict[str, Reservation] = {}
+
+    def group_keys(self, group: int) -> list[str]:
+        """``lua/lease.lua``'s KEYS in ``group``: its load hash and its lease hash."""
+        k = self.groups.keys[group]
+        return [k.load, k.leases]
+
+    def heartbeat_key_of(self, group: int) -> str:
+        """This router's heartbeat key in ``group``."""
+        return self.groups.keys[group].heartbeat(self.router_id)
+
+    def group_of_request(self, request_id: str) -> int | None:
+        """The group of ``request_id``'s current lease (0 without groups), or None when
+        this router holds none for it."""
+        if not self.groups.tagged:
+            return 0
+        return self._lease_group.get(request_id)
+
+    def reserving(self, request_id: str, group: int) -> None:
+        """A script is about to reserve ``request_id`` in ``group`` (``AtomicRoute``): its
+        lease may be there from now on, even if the call fails (a later reservation or
+        release of the id then goes there too)."""
+        self.used(group)
+        if self.groups.tagged:
+            self._lease_group[request_id] = group
+
+    def used(self, group: int) -> None:
+        """This router reserved in ``group`` now: its heartbeat there is kept, and the
+        group swept, for a heartbeat TTL from now."""
+        self._used[group] = self.clock.now()
+
+    def active_groups(self) -> list[int]:
+        """The groups where this router keeps a heartbeat and sweeps: group 0 without
+        groups; with groups, those of its leases, its pending releases and its
+        reservations within the heartbeat TTL."""
+        if not self.groups.tagged:
+            return [0]
+        horizon = self.clock.now() - self.heartbeat_ttl_s
+        for g in [g for g, t in self._used.items() if t < horizon]:
+            del self._used[g]
+        return sorted(set(self._used) | set(self._lease_group.values())
+                      | set(self._release_group.values()))
 
     @property
     def pending_releases(self) -> set[str]:
@@ -95,41 +156,69 @@ class RedisLoadTracker(LoadTracker):
         period = self.heartbeat_ttl_s / 3
         while True:
             try:
-                await self.conn.call(lambda c: c.set(self.heartbeat_key, 1,
-                                                     px=int(self.heartbeat_ttl_s * 1000)),
-                                     maintenance=True)
+                groups = self.active_groups()
+                ttl_ms = int(self.heartbeat_ttl_s * 1000)
+
+                async def beat(c):
+                    if len(groups) == 1:
+                        return await c.set(self.heartbeat_key_of(groups[0]), 1, px=ttl_ms)
+                    pipe = c.pipeline(transaction=False)  # one key each: any shard
+                    for g in groups:
+                        pipe.set(self.heartbeat_key_of(g), 1, px=ttl_ms)
+                    return await pipe.execute()
+
+                if groups:
+                    await self.conn.call(beat, maintenance=True)
                 if self._unreleased:
                     await self.retry_releases()
-                swept = await self.sweep()
+                swept = await self.sweep(groups)
                 if swept:
                     logger.warning("released %d leases of routers that stopped", swept)
             except IndexUnavailable:
                 pass
             await asyncio.sleep(period)
 
-    async def sweep(self) -> int:
-        """Release the leases of routers whose heartbeat expired; returns how many."""
-        async def run(c):
-            return await self.scripts.of(c).lease(keys=self.keys,
-                                                  args=["sweep", self.redis_keys.router_prefix])
-        return int(await self.conn.call(run, maintenance=True))
+    async def sweep(self, groups: list[int] | None = None) -> int:
+        """Release the leases of routers whose heartbeat expired, in ``groups`` (default:
+        every group; one script per group); returns how many."""
+        groups = list(range(self.groups.count)) if groups is None else groups
+
+        async def one(g: int) -> int:
+            async def run(c):
+                return await self.scripts.of(c).lease(
+                    keys=self.group_keys(g), args=["sweep", self.groups.keys[g].router_prefix])
+            return int(await self.conn.call(run, maintenance=True))
+
+        if len(groups) == 1:
+            return await one(groups[0])
+        return sum(await asyncio.gather(*(one(g) for g in groups)))
 
     # --- LoadTracker -------------------------------------------------------------------
     async def loads(self, replicas: Sequence[str]) -> dict[str, ReplicaLoad]:
-        fields = [f.of(r) for r in replicas for f in (LoadField.INFLIGHT, LoadField.PREFILL_TOKENS,
-                                                     LoadField.LAST_ASSIGNED_MS)]
+        """Every replica's load (one ``HMGET`` per group, the groups' at once); this
+        router's own reservations alone when Redis fails."""
+        async def one(group: int, reps: list[str]) -> list:
+            fields = [f.of(r) for r in reps for f in (
+                LoadField.INFLIGHT, LoadField.PREFILL_TOKENS, LoadField.LAST_ASSIGNED_MS)]
+            key = self.groups.keys[group].load
+            return await self.conn.call(lambda c: c.hmget(key, fields))
 
-        async def run(c):
-            return await c.hmget(self.redis_keys.load, fields)
-
+        parts = self.groups.split(replicas) if replicas else {0: []}
         try:
-            vals = await self.conn.call(run)
+            if len(parts) == 1:
+                ((g, reps),) = parts.items()
+                got = [(reps, await one(g, reps))]
+            else:
+                got = list(zip(parts.values(), await asyncio.gather(
+                    *(one(g, reps) for g, reps in parts.items()))))
         except IndexUnavailable:
             return self.local.loads_now(replicas)
         out = {}
-        for i, r in enumerate(replicas):
-            n, p, t = (float(v) if v is not None else 0.0 for v in vals[3 * i:3 * i + 3])
-            out[r] = ReplicaLoad(int(n), int(p), t / 1000)
+        for reps, vals in got:
+            for i, r in enumerate(reps):
+                n, p, t = (float(v) if v is not None else 0.0 for v in vals[3 * i:3 * i + 3])
+                out[r] = ReplicaLoad(int(n), int(p), t / 1000)
+        out = {r: out[r] for r in replicas}
         self._correct(out)
         return out
 
@@ -148,41 +237,90 @@ class RedisLoadTracker(LoadTracker):
                     load.prefill_tokens = max(load.prefill_tokens + sign * res.prefill_tokens, 0)
 
     async def reserve(self, request_id: str, replica: str, prefill_tokens: int) -> None:
+        """Reserve ``replica`` for ``request_id``: any earlier lease of the id released,
+        counts, lease and heartbeat written atomically (one Redis: a ``MULTI`` of the
+        release script and the writes; with shard groups: ``lua/lease.lua``'s ``reserve``
+        in the replica's group, a cluster pipeline taking no script)."""
         self.ensure_heartbeat()
         self.local.reserve_now(request_id, replica, prefill_tokens)
-        lease = f"{replica}|{int(prefill_tokens)}|0|{self.lease_owner(request_id)}"
+        group = self.groups.group_of(replica)
+        try:
+            await self.release_elsewhere(request_id, group)
+        except IndexUnavailable:
+            self._unsynced[request_id] = Reservation(replica, int(prefill_tokens))
+            return
+        owner = self.lease_owner(request_id)
+        self.reserving(request_id, group)  # even if the write fails, a lease may be there
+        if self.groups.tagged:
+            args = ["reserve", request_id, replica, int(prefill_tokens), self._now_ms(),
+                    owner, int(self.heartbeat_ttl_s * 1000)]
+            keys = self.group_keys(group) + [self.heartbeat_key_of(group)]
 
-        async def run(c):
-            pipe = c.pipeline(transaction=True)
-            # drop an earlier lease of this request first (re-reservation)
-            await self.scripts.of(c).lease(keys=self.keys, args=["release", request_id],
-                                           client=pipe)
-            pipe.hincrby(self.redis_keys.load, LoadField.INFLIGHT.of(replica), 1)
-            pipe.hincrby(self.redis_keys.load, LoadField.PREFILL_TOKENS.of(replica),
-                         int(prefill_tokens))
-            pipe.hset(self.redis_keys.load, LoadField.LAST_ASSIGNED_MS.of(replica),
-                      self._now_ms())
-            pipe.hset(self.redis_keys.leases, request_id, lease)
-            # no lease without a live heartbeat: another router's sweep would release it
-            pipe.set(self.heartbeat_key, 1, px=int(self.heartbeat_ttl_s * 1000))
-            return await pipe.execute()
+            async def run(c):
+                return await self.scripts.of(c).lease(keys=keys, args=args)
+        else:
+            lease = f"{replica}|{int(prefill_tokens)}|0|{owner}"
+
+            async def run(c):
+                pipe = c.pipeline(transaction=True)
+                # drop an earlier lease of this request first (re-reservation)
+                await self.scripts.of(c).lease(keys=self.keys, args=["release", request_id],
+                                               client=pipe)
+                pipe.hincrby(self.redis_keys.load, LoadField.INFLIGHT.of(replica), 1)
+                pipe.hincrby(self.redis_keys.load, LoadField.PREFILL_TOKENS.of(replica),
+                             int(prefill_tokens))
+                pipe.hset(self.redis_keys.load, LoadField.LAST_ASSIGNED_MS.of(replica),
+                          self._now_ms())
+                pipe.hset(self.redis_keys.leases, request_id, lease)
+                # no lease without a live heartbeat: another router's sweep would release it
+                pipe.set(self.heartbeat_key, 1, px=int(self.heartbeat_ttl_s * 1000))
+                return await pipe.execute()
 
         try:
             await self.conn.call(run)
-            self._unreleased.pop(request_id, None)  # the script released any earlier lease
-            self._stale.pop(request_id, None)
+            self._took_lease(request_id, group)
             self._unsynced.pop(request_id, None)
         except IndexUnavailable:
             self._unsynced[request_id] = Reservation(replica, int(prefill_tokens))
+
+    def _took_lease(self, request_id: str, group: int) -> None:
+        """Redis holds ``request_id``'s lease in ``group`` now (a script released any
+        earlier lease of the id there): a release of the id still pending is forgotten."""
+        self._unreleased.pop(request_id, None)
+        self._release_group.pop(request_id, None)
+        self._stale.pop(request_id, None)
+        if self.groups.tagged:
+            self._lease_group[request_id] = group
+
+    async def release_elsewhere(self, request_id: str, group: int) -> None:
+        """Before ``request_id`` is reserved in ``group``: release its lease held in
+        another group, if any (with groups, a script releases an earlier lease of the id
+        only in its own group). Nothing without groups.
+
+        Raises:
+            IndexUnavailable: Redis did not take the release (it stays pending).
+        """
+        old = self._lease_group.get(request_id) if self.groups.tagged else None
+        if old is None or old == group:
+            return
+        owner = self._owners.get(request_id, "")
+        del self._lease_group[request_id]
+        self._unreleased[request_id] = owner
+        self._release_group[request_id] = old
+        self.ensure_heartbeat()
+        await self._release(request_id, owner)
 
     async def prefill_done(self, request_id: str) -> None:
         self.local.prefill_done_now(request_id)
         if request_id in self._unsynced:
             self._unsynced[request_id].prefill_done = True
         owner = self._owners.get(request_id, "")
+        group = self.group_of_request(request_id)
+        if group is None:
+            return  # no lease in Redis (its reservation's write failed)
         try:
             await self.conn.call(lambda c: self.scripts.of(c).lease(
-                keys=self.keys, args=["prefill_done", request_id, owner]))
+                keys=self.group_keys(group), args=["prefill_done", request_id, owner]))
         except IndexUnavailable:
             pass
 
@@ -195,6 +333,11 @@ class RedisLoadTracker(LoadTracker):
         owner = self._owners.pop(request_id, "")
         if self._unsynced.pop(request_id, None) is not None:
             held = None  # Redis never counted it (or counts it, and the release ends it)
+        group = self.group_of_request(request_id)
+        if group is None:
+            return  # with groups: no lease of this router for the id, in any group
+        if self.groups.tagged:
+            self._release_group[request_id] = self._lease_group.pop(request_id)
         try:
             await self._release(request_id, owner)
         except IndexUnavailable:
@@ -210,8 +353,11 @@ class RedisLoadTracker(LoadTracker):
         Raises:
             IndexUnavailable: Redis did not take it.
         """
+        group = self._release_group.get(request_id, 0) if self.groups.tagged else 0
         await self.conn.call(lambda c: self.scripts.of(c).lease(
-            keys=self.keys, args=["release", request_id, owner]), maintenance=True)
+            keys=self.group_keys(group), args=["release", request_id, owner]),
+            maintenance=True)
+        self._release_group.pop(request_id, None)
         if self._unreleased.get(request_id) == owner:
             del self._unreleased[request_id]
             self._stale.pop(request_id, None)
@@ -231,8 +377,9 @@ class RedisLoadTracker(LoadTracker):
         for held in (self._unsynced, self._stale):
             for rid in [k for k, v in held.items() if v.replica == replica]:
                 del held[rid]
+        keys = self.group_keys(self.groups.group_of(replica))
         try:
-            await self.conn.call(lambda c: self.scripts.of(c).lease(keys=self.keys,
+            await self.conn.call(lambda c: self.scripts.of(c).lease(keys=keys,
                                                                    args=["purge", replica]))
         except IndexUnavailable:
             pass
@@ -240,9 +387,9 @@ class RedisLoadTracker(LoadTracker):
     def adopt(self, request_id: str, replica: str, prefill_tokens: int) -> None:
         """A script reserved ``request_id`` on ``replica`` in Redis (``AtomicRoute``, with
         the attempt of ``lease_owner``; the script also released any earlier lease of the
-        id): mirror it locally, and forget a release of the id still pending."""
-        self._unreleased.pop(request_id, None)
-        self._stale.pop(request_id, None)
+        id in the replica's group): mirror it locally, and forget a release of the id still
+        pending."""
+        self._took_lease(request_id, self.groups.group_of(replica))
         self._unsynced.pop(request_id, None)
         self.local.reserve_now(request_id, replica, prefill_tokens)
 

@@ -1,6 +1,13 @@
--- Load leases: release a request, mark its prefill done, or sweep leases of dead routers.
--- KEYS[1]: load hash; KEYS[2]: lease hash
--- ARGV[1]: op ("release" | "prefill_done" | "sweep" | "purge"); then
+-- Load leases: reserve or release a request, mark its prefill done, or sweep leases of
+-- dead routers.
+-- KEYS[1]: load hash; KEYS[2]: lease hash; reserve only: KEYS[3] the router's heartbeat key
+-- (with shard groups, all three carry the group's hash tag: one slot)
+-- ARGV[1]: op ("reserve" | "release" | "prefill_done" | "sweep" | "purge"); then
+--   reserve: ARGV[2] request id, ARGV[3] replica, ARGV[4] prefill tokens, ARGV[5] now (ms),
+--          ARGV[6] the owner ("router id|attempt"), ARGV[7] heartbeat TTL (ms): any
+--          earlier lease of the id is released, the replica's counts grow, its last
+--          assignment is now, the lease is written, and the heartbeat refreshed (no lease
+--          without a live heartbeat: another router's sweep would release it)
 --   release / prefill_done: ARGV[2] request id, ARGV[3] the owner ("router id|attempt")
 --          it acts for (empty: whichever lease the id holds); a lease of a later attempt,
 --          or of another router, is left as it is, so a late retry of an earlier attempt's
@@ -51,7 +58,17 @@ local function release(req, v)
   add(r .. ':n', -1)
   if done == '0' then add(r .. ':p', -p) end
 end
-if op == 'release' then
+if op == 'reserve' then
+  local old = redis.call('HGET', leases, ARGV[2])
+  if old then release(ARGV[2], old) end
+  local r = ARGV[3]
+  redis.call('HINCRBY', load, r .. ':n', 1)
+  redis.call('HINCRBY', load, r .. ':p', ARGV[4])  -- a count >= 0, never '-0'
+  redis.call('HSET', load, r .. ':t', ARGV[5])
+  redis.call('HSET', leases, ARGV[2], r .. '|' .. ARGV[4] .. '|0|' .. ARGV[6])
+  redis.call('SET', KEYS[3], 1, 'PX', tonumber(ARGV[7]))
+  return 1
+elseif op == 'release' then
   local v = lease_of_owner()
   if v then release(ARGV[2], v); return 1 end
   return 0

@@ -27,7 +27,9 @@
 --   20 interference, 21 expected output tokens (PrefixAware's parameters and
 --   RouteRequest.expected_output_tokens), then per candidate its predicted TTL (ms), then
 --   the n candidate ids
--- Returns: {chosen index (1-based, 0 in lookup mode), matched blocks per candidate...}
+-- Returns: {chosen index (1-based, 0 in lookup mode), matched blocks per candidate...}, and
+--   in route mode one more value: the candidates' requests in flight after the reservation
+--   (the first level of the shard groups' choice reads it: router/routing/groups.py)
 local mode = ARGV[1]
 local now = tonumber(ARGV[2])
 local nc = tonumber(ARGV[3])
@@ -223,4 +225,5 @@ end
 
 local out = {pick}
 for j = 1, nc do out[#out + 1] = matched[j] end
+out[#out + 1] = total + 1
 return out

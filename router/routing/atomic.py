@@ -5,6 +5,11 @@ Several routers deciding at once are serialised by Redis, so a burst does not pi
 one replica (docs/architecture.md, decision 3). The script's cost rule is
 ``router.policy.prefix_aware.PrefixAware``'s, line for line; ``tests/test_route_lua.py``
 checks that both choose alike.
+
+With shard groups (the Redis Cluster mode, docs/scaling.md) the decision has two levels:
+``router.routing.groups.GroupChoice`` picks one group of the candidates in this process,
+then the script runs on that group's keys with that group's candidates only: still one
+round trip, to one shard, atomic among every router deciding in that group.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from router.load.redis import RedisLoadTracker
 from router.policy.base import Policy, cached_tokens
 from router.policy.prefix_aware import PrefixAware
 from router.redis_keys import pack_hashes
+from router.routing.groups import GroupChoice
 
 
 class AtomicRoute:
@@ -26,11 +32,23 @@ class AtomicRoute:
     Args:
         index: the Redis prefix index (its keys hold the candidates' entries).
         load: the Redis load tracker (its leases, counts, router id and heartbeat).
+        first_level: with shard groups, the choice of the group
+            (default: a ``GroupChoice`` with its defaults, on the load tracker's clock);
+            unused without groups.
+    Raises:
+        ValueError: the index and the load tracker have different shard groups.
     """
 
-    def __init__(self, index: RedisPrefixIndex, load: RedisLoadTracker):
+    def __init__(self, index: RedisPrefixIndex, load: RedisLoadTracker,
+                 first_level: GroupChoice | None = None):
+        if index.groups.tags != load.groups.tags:
+            raise ValueError(f"the index has {index.groups.count} shard groups and the load "
+                             f"tracker {load.groups.count}: they must be the same")
         self.index = index
         self.load = load
+        self.first_level = first_level
+        if first_level is None and index.groups.tagged:
+            self.first_level = GroupChoice(index.groups, clock=load.clock)
 
     @staticmethod
     def supports(policy: Policy) -> bool:
@@ -58,14 +76,27 @@ class AtomicRoute:
             expected_output_tokens: ``RouteRequest.expected_output_tokens``.
             u: uniform in [0, 1), the final tie-break (the policy's rng draws it).
         Returns:
-            (chosen replica, matched blocks per replica).
+            (chosen replica, matched blocks per replica). With shard groups, the matched
+            blocks of the replicas outside the chosen group are 0 (not looked up).
         Raises:
             IndexUnavailable: Redis failed; nothing was reserved in Redis.
         """
-        load, keys = self.load, self.index.keys
+        load, groups = self.load, self.index.groups
         load.ensure_heartbeat()
+        everyone = replicas
+        group = 0
+        if groups.tagged:
+            parts = groups.split(replicas)
+            group = self.first_level.choose(block_hashes, parts, request_id)
+            ttl_of = dict(zip(replicas, ttls_s))
+            replicas = parts[group]
+            ttls_s = [ttl_of[r] for r in replicas]
+            # a lease of this request in another group (Serve asked again) goes first
+            await load.release_elsewhere(request_id, group)
+            load.reserving(request_id, group)
+        keys, lkeys = groups.keys[group], load.groups.keys[group]
         redis_keys = [k for r in replicas for k in keys.replica_entries(r)] + [
-            keys.replicas, load.redis_keys.load, load.redis_keys.leases, load.heartbeat_key]
+            keys.replicas, lkeys.load, lkeys.leases, load.heartbeat_key_of(group)]
         args = ["route", int(load.clock.now() * 1000), len(replicas), pack_hashes(block_hashes),
                 request_id, load.lease_owner(request_id), prompt_tokens, block_size, prefill_rate,
                 work_weight, decode_step_s_per_seq, step_token_budget, tie_abs_s, tie_rel,
@@ -78,7 +109,10 @@ class AtomicRoute:
 
         res = await load.conn.call(run)
         chosen = replicas[int(res[0]) - 1]
-        matched = {r: int(n) for r, n in zip(replicas, res[1:])}
+        matched = {r: int(n) for r, n in zip(replicas, res[1:len(replicas) + 1])}
         cached = cached_tokens(matched[chosen], prompt_tokens, block_size)
         load.adopt(request_id, chosen, max(prompt_tokens - cached, 0))
+        if groups.tagged:
+            self.first_level.observe(group, block_hashes, int(res[len(replicas) + 1]))
+            matched = {r: matched.get(r, 0) for r in everyone}
         return chosen, matched

@@ -52,12 +52,15 @@ def replica_ids() -> frozenset[str] | None:
 
 
 def redis_connections(settings: Settings):
-    """The process's Redis connections for ``settings`` (one client per event loop)."""
+    """The process's Redis connections for ``settings`` (one client per event loop; a
+    cluster client with ``redis_cluster``)."""
     from router.index.redis import RedisConnections
 
-    return shared(f"redis:{settings.redis_url}:{settings.redis_timeout_s}",
+    return shared(f"redis:{settings.redis_url}:{settings.redis_timeout_s}:"
+                  f"{settings.redis_cluster}",
                   lambda: RedisConnections(settings.redis_url, settings.redis_timeout_s,
-                                           settings.redis_connection_kwargs()))
+                                           settings.redis_connection_kwargs(),
+                                           cluster=settings.redis_cluster))
 
 
 def make_load_tracker(settings: Settings):
@@ -68,7 +71,8 @@ def make_load_tracker(settings: Settings):
 
         return shared(f"load:{settings.redis_url}:{settings.index_namespace}",
                       lambda: RedisLoadTracker(redis_connections(settings),
-                                               settings.index_namespace))
+                                               settings.index_namespace,
+                                               shard_groups=settings.index_shard_groups))
     from router.load.memory import MemoryLoadTracker
 
     return shared(f"load:{settings.index_namespace}",
@@ -81,7 +85,8 @@ def make_index(settings: Settings):
         from router.index.redis import RedisPrefixIndex
 
         return RedisPrefixIndex(settings.redis_url, namespace=settings.index_namespace,
-                                connections=redis_connections(settings))
+                                connections=redis_connections(settings),
+                                shard_groups=settings.index_shard_groups)
     from router.index.memory import MemoryPrefixIndex
 
     return shared(f"index:{settings.index_namespace}", MemoryPrefixIndex)
@@ -90,12 +95,21 @@ def make_index(settings: Settings):
 def make_atomic_route(settings: Settings, index, load):
     """The one-round-trip decision over ``index`` and ``load`` (``make_index`` and
     ``make_load_tracker`` for the same ``settings``): with Redis, an
-    ``router.routing.atomic.AtomicRoute``; None for the in-process backends."""
+    ``router.routing.atomic.AtomicRoute`` (with shard groups, its choice of the group,
+    ``router.routing.groups.GroupChoice``, keeps this router's decisions for
+    ``predicted_ttl_s``); None for the in-process backends."""
     if not settings.redis_url:
         return None
     from router.routing.atomic import AtomicRoute
 
-    return AtomicRoute(index, load)
+    first_level = None
+    if settings.index_shard_groups:
+        from router.routing.groups import GroupChoice
+
+        first_level = GroupChoice(index.groups, clock=load.clock,
+                                  load_factor=settings.index_group_load_factor,
+                                  ttl_s=settings.predicted_ttl_s)
+    return AtomicRoute(index, load, first_level)
 
 
 def make_routing_core(settings: Settings, policy):

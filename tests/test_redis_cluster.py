@@ -1,0 +1,313 @@
+"""The Redis Cluster mode on a real local cluster (``conftest.redis_cluster``: three
+masters): shard groups' keys in one slot and spread over the masters, the atomic route on
+one group as the Python policy chooses, leases across groups, a prefix's follow-up reaching
+the replica that holds it from any router, and the keys tied to no group (sessions, drained
+set, rate limits, warm-up leases) on the cluster."""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+
+import pytest
+import redis
+
+from router.clock import ManualClock
+from router.config import Settings
+from router.index.base import IndexUnavailable
+from router.index.redis import RedisConnections, RedisPrefixIndex
+from router.kv_events.wire import KVEvent
+from router.load.redis import RedisLoadTracker
+from router.policy import Candidate, PrefixAware, RouteRequest
+from router.redis_keys import ShardGroups, group_tag
+from router.routing.atomic import AtomicRoute
+from router.routing.core import RoutingCore
+from router.routing.groups import GroupChoice
+from router.routing.replica import ReplicaInfo
+
+BS = 32
+
+
+def route_kwargs(policy: PrefixAware, u: float, rate=20000.0):
+    return dict(block_size=BS, prefill_rate=rate, work_weight=policy.work_weight,
+                decode_step_s_per_seq=0.005, step_token_budget=policy.step_token_budget,
+                tie_abs_s=policy.tie_abs_s, tie_rel=policy.tie_rel, u=u,
+                load_factor=policy.load_factor, max_inflight=policy.max_inflight,
+                running_weight=policy.running_weight, interference=policy.interference)
+
+
+@pytest.fixture
+async def grouped(redis_cluster):
+    """A Redis index and load tracker on the cluster, 3 shard groups, a manual clock."""
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    conn = RedisConnections(redis_cluster.url, 2.0, cluster=True)
+    clock = ManualClock(time.time())
+    index = RedisPrefixIndex(redis_cluster.url, ns, clock=clock, connections=conn,
+                             shard_groups=3)
+    load = RedisLoadTracker(conn, ns, clock=clock, shard_groups=3)
+    yield index, load, clock
+    await load.close()
+    await index.flush()
+    await conn.close()
+
+
+def fleet(groups: ShardGroups, per_group: int, prefix: str = "r") -> list[str]:
+    """Replica ids, ``per_group`` in each group (the first ids found of each)."""
+    out: dict[int, list[str]] = {g: [] for g in range(groups.count)}
+    k = 0
+    while any(len(v) < per_group for v in out.values()):
+        r = f"{prefix}{k}"
+        g = groups.group_of(r)
+        if len(out[g]) < per_group:
+            out[g].append(r)
+        k += 1
+    return [r for g in sorted(out) for r in out[g]]
+
+
+def test_a_groups_keys_lie_in_one_slot_and_the_groups_spread_evenly_over_the_masters(
+        redis_cluster):
+    client = redis.RedisCluster.from_url(redis_cluster.url)
+    try:
+        for n in (3, 6, 12):
+            groups = ShardGroups("prefix-router", n)
+            masters = []
+            for g, keys in enumerate(groups.keys):
+                names = [keys.load, keys.leases, keys.replicas, keys.heartbeat("abc"),
+                         keys.exact("r1"), keys.predicted("r1"),
+                         keys.predicted("r1") + ":cursor", keys.gone("r1"),
+                         keys.exact("a:b{c}")]
+                slots = {client.keyslot(name) for name in names}
+                assert len(slots) == 1, (g, names)
+                masters.append(client.get_node_from_key(keys.load).name)
+            assert sorted(masters.count(m) for m in set(masters)) == [n // 3] * 3, masters
+    finally:
+        client.close()
+    assert [group_tag(k, 1) for k in range(1)] == ["g0"]
+    with pytest.raises(ValueError):
+        ShardGroups("ns{x}", 3)
+    with pytest.raises(ValueError):
+        ShardGroups("ns", 0)
+
+
+def test_replicas_are_assigned_alike_and_the_assignment_is_stable():
+    a, b = ShardGroups("ns", 8), ShardGroups("other", 8)
+    ids = [f"replica-{i}" for i in range(400)]
+    assert [a.group_of(r) for r in ids] == [b.group_of(r) for r in ids]
+    sizes = [sum(a.group_of(r) == g for r in ids) for g in range(8)]
+    assert min(sizes) >= 30, sizes  # 50 each on average
+    nine = ShardGroups("ns", 9)  # a group added: only the replicas it wins move
+    moved = [r for r in ids if nine.group_of(r) != a.group_of(r)]
+    assert all(nine.group_of(r) == 8 for r in moved) and len(moved) < 80
+
+
+async def test_lookup_spans_groups_and_events_land_in_their_replicas_group(grouped):
+    index, load, clock = grouped
+    reps = fleet(index.groups, 2)
+    assert len({index.groups.group_of(r) for r in reps}) == 3
+    for k, r in enumerate(reps):
+        await index.apply_events(r, [KVEvent("stored", list(range(1, k + 2)), None)])
+    assert await index.lookup(list(range(1, 10)), reps) == {r: k + 1 for k, r in
+                                                            enumerate(reps)}
+    assert (await index.stats()).entries == sum(range(1, 7))
+    await index.remove_replica(reps[3])
+    assert (await index.lookup([1, 2, 3, 4], [reps[3]]))[reps[3]] == 0
+
+
+async def test_the_atomic_route_on_the_cluster_chooses_as_the_python_policy(grouped):
+    """Each decision runs in one group (one shard): within it, the script's choice and
+    matched prefixes are the Python policy's over that group's candidates."""
+    index, load, clock = grouped
+    rng = random.Random(11)
+    replicas = fleet(index.groups, 2)
+    atomic = AtomicRoute(index, load)
+    parts = index.groups.split(replicas)
+    for trial in range(24):
+        prefix = [trial * 1000 + i for i in range(rng.randrange(1, 40))]
+        for r in replicas:
+            k = rng.randrange(0, len(prefix) + 1)
+            if k:
+                await index.apply_events(r, [KVEvent("stored", prefix[:k], None)])
+            for i in range(rng.randrange(0, 3)):
+                await load.reserve(f"bg{trial}-{r}-{i}", r, rng.randrange(0, 3000))
+        prompt = len(prefix) * BS + rng.randrange(0, 40)
+        u = rng.random()
+        full = trial % 2 == 1
+        policy = PrefixAware(random.Random(), running_weight=1.0 if full else 0.0,
+                             interference=1.0 if full else 0.0,
+                             load_factor=None if full else 1.35)
+        policy.rng.random = lambda: u
+        group = atomic.first_level.choose(prefix, parts, f"req{trial}")
+        cands = parts[group]
+        loads = await load.loads(cands)
+        matched = await index.lookup(prefix, cands)
+        expected = policy.choose(RouteRequest(prompt, BS, len(prefix)), [
+            Candidate(r, matched[r], loads[r], 20000.0, 0.005) for r in cands]).replica
+        chosen, lua_matched = await atomic.route(
+            f"req{trial}", prompt, prefix, replicas, [15.0] * len(replicas),
+            **route_kwargs(policy, u))
+        assert chosen == expected, (trial, matched, loads)
+        assert {r: lua_matched[r] for r in cands} == matched
+        assert all(lua_matched[r] == 0 for r in replicas if r not in cands)
+        await load.release(f"req{trial}")
+    for trial in range(24):
+        for r in replicas:
+            for i in range(3):
+                await load.release(f"bg{trial}-{r}-{i}")
+    loads = await load.loads(replicas)
+    assert all(v.inflight == 0 and v.prefill_tokens == 0 for v in loads.values())
+
+
+async def test_a_request_moved_to_another_group_keeps_one_lease(grouped):
+    """Serve may route a request again: its reservation moves, and the lease left in its
+    first group is released, so it counts once."""
+    index, load, clock = grouped
+    a, b = fleet(index.groups, 1)[:2]
+    atomic = AtomicRoute(index, load)
+    chosen, _ = await atomic.route("q", 640, list(range(20)), [a], [15.0],
+                                   **route_kwargs(PrefixAware(), 0.3))
+    assert chosen == a
+    await load.reserve("q", b, 100)
+    loads = await load.loads([a, b])
+    assert (loads[a].inflight, loads[b].inflight, loads[b].prefill_tokens) == (0, 1, 100)
+    chosen, _ = await atomic.route("q", 640, list(range(20)), [a], [15.0],
+                                   **route_kwargs(PrefixAware(), 0.3))
+    loads = await load.loads([a, b])
+    assert (loads[a].inflight, loads[b].inflight) == (1, 0)
+    await load.prefill_done("q")
+    await load.release("q")
+    await load.release("q")
+    loads = await load.loads([a, b])
+    assert all(v.inflight == 0 and v.prefill_tokens == 0 for v in loads.values())
+
+
+async def test_a_dead_routers_leases_are_swept_in_every_group(grouped):
+    index, load, clock = grouped
+    reps = fleet(index.groups, 1)
+    load.ensure_heartbeat = lambda: None  # no sweep of its own heartbeat task meanwhile
+    other = RedisLoadTracker(load.conn, load.ns, clock=clock, shard_groups=3)
+    for k, r in enumerate(reps):
+        await other.reserve(f"x{k}", r, 50)
+    await load.reserve("mine", reps[0], 10)
+    assert await load.sweep() == 0
+    await other.close()  # it dies: its heartbeats go
+    for g in range(3):
+        await load.conn.call(lambda c: c.delete(other.heartbeat_key_of(g)))
+    assert await load.sweep() == 3
+    loads = await load.loads(reps)
+    assert [v.inflight for v in loads.values()] == [1, 0, 0]
+
+
+async def test_a_follow_up_reaches_the_replica_holding_its_prefix_from_any_router(
+        redis_cluster):
+    """12 replicas in 4 groups over 3 masters. A conversation's first turn, decided by one
+    router, lands on some replica, whose engine then reports the prefix (KV events); its
+    follow-up, decided by that router or by another that never saw it, goes to that
+    replica: the first router remembers the group, the other computes the same group from
+    the prompt's first block."""
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    settings = Settings(redis_url=redis_cluster.url, redis_cluster=True,
+                        index_shard_groups=4, index_namespace=ns, block_size=BS)
+    cores = []
+    for k in range(2):  # two router processes
+        conn = RedisConnections(redis_cluster.url, 2.0, cluster=True)
+        index = RedisPrefixIndex(redis_cluster.url, ns, connections=conn, shard_groups=4)
+        load = RedisLoadTracker(conn, ns, shard_groups=4)
+        cores.append(RoutingCore(settings, index, load, PrefixAware(random.Random(k)),
+                                 atomic=AtomicRoute(index, load, GroupChoice(index.groups))))
+    reps = [ReplicaInfo(r, {}, {}) for r in fleet(cores[0].index.groups, 3, "replica-")]
+    try:
+        for conv in range(6):
+            first = [conv * 10_000 + i for i in range(40)]
+            d1 = await cores[0].decide(f"c{conv}-1", 41 * BS, first, reps)
+            await cores[0].load.release(f"c{conv}-1")
+            held = d1.replica
+            await cores[0].index.apply_events(held, [KVEvent("stored", first, None)])
+            follow = first + [conv * 10_000 + 500 + i for i in range(8)]
+            for k, core in enumerate(cores):
+                d = await core.decide(f"c{conv}-2-{k}", 49 * BS, follow, reps)
+                await core.load.release(f"c{conv}-2-{k}")
+                assert (d.replica, d.reason) == (held, "cache"), (conv, k, d)
+    finally:
+        for core in cores:
+            await core.load.close()
+        await cores[0].index.flush()
+
+
+async def test_a_hot_first_block_spills_to_the_next_group_in_its_order(redis_cluster):
+    """Many requests sharing a first block (a system prompt) and nothing else: the first
+    level sends them to the block's group until that group's load passes the bound, then
+    to the next group of the block's order, and a router that never decided any of them
+    computes the same order."""
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    conn = RedisConnections(redis_cluster.url, 2.0, cluster=True)
+    index = RedisPrefixIndex(redis_cluster.url, ns, connections=conn, shard_groups=3)
+    load = RedisLoadTracker(conn, ns, shard_groups=3)
+    atomic = AtomicRoute(index, load, GroupChoice(index.groups, load_factor=1.25))
+    replicas = fleet(index.groups, 2)
+    parts = index.groups.split(replicas)
+    order = atomic.first_level.order((7).to_bytes(8, "big"), parts)
+    assert GroupChoice(index.groups).order((7).to_bytes(8, "big"), parts) == order
+    groups_used = []
+    try:
+        for i in range(24):
+            hashes = [7, 100 + i]  # one shared first block, then the request's own
+            chosen, _ = await atomic.route(f"h{i}", 2 * BS, hashes, replicas,
+                                           [15.0] * len(replicas),
+                                           **route_kwargs(PrefixAware(), 0.5))
+            groups_used.append(index.groups.group_of(chosen))
+        assert groups_used[:4] == [order[0]] * 4, groups_used
+        assert order[1] in groups_used
+        per_group = [groups_used.count(g) for g in range(3)]
+        assert max(per_group) <= 1.25 * 24 / 3 + 2 * 2 + 1, per_group
+    finally:
+        for i in range(24):
+            await load.release(f"h{i}")
+        await load.close()
+        await index.flush()
+
+
+async def test_keys_tied_to_no_group_work_on_the_cluster(redis_cluster):
+    from router.routing.drain import DrainedReplicas
+    from router.routing.sessions import RedisSessionStore
+    from router.routing.warmup import RedisWarmupLease
+    from router.serve.auth import Tenant
+    from router.serve.errors import OpenAIError
+    from router.serve.ratelimit import RateLimiter
+
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    conn = RedisConnections(redis_cluster.url, 2.0, cluster=True)
+    sessions = RedisSessionStore(conn, ns)
+    assert await sessions.pin_first("s1", "a", 60) == "a"
+    assert await sessions.pin_first("s1", "b", 60) == "a"
+    assert await sessions.get("s1") == "a"
+    drains = DrainedReplicas(conn, ns, refresh_s=0)
+    assert await drains.set("a", True) == {"a"}
+    lease = RedisWarmupLease(conn, ns)
+    assert await lease.acquire("scale_out:a", 5) and not await lease.acquire("scale_out:a", 5)
+    limiter = RateLimiter(conn, ns)
+    tenant = Tenant("acme", requests_per_minute=2, tokens_per_minute=1000)
+    await limiter.check(tenant, 10)
+    await limiter.check(tenant, 10)
+    with pytest.raises(OpenAIError):
+        await limiter.check(tenant, 10)
+    await RedisPrefixIndex(redis_cluster.url, ns, connections=conn, shard_groups=3).flush()
+    await conn.close()
+
+
+async def test_an_unreachable_cluster_raises_index_unavailable():
+    conn = RedisConnections("redis://127.0.0.1:1/0", 0.2, cluster=True)
+    index = RedisPrefixIndex("redis://127.0.0.1:1/0", "t", connections=conn, shard_groups=3)
+    with pytest.raises(IndexUnavailable):
+        await index.lookup([1, 2], ["a", "b"])
+
+
+def test_cluster_settings_need_groups_and_a_url():
+    with pytest.raises(ValueError):
+        Settings(redis_cluster=True, index_shard_groups=4)
+    with pytest.raises(ValueError):
+        Settings(redis_url="redis://127.0.0.1:7000", redis_cluster=True)
+    with pytest.raises(ValueError):
+        Settings(index_shard_groups=0)
+    s = Settings(redis_url="redis://127.0.0.1:7000", redis_cluster=True, index_shard_groups=4)
+    assert s.index_group_load_factor == 1.25
