@@ -14,8 +14,15 @@
   ingress processes (docs/fault-cases.md 10.1: routing never waits on a replica's ``/tokenize``; its
   overhead under concurrency is CPU queueing in the ingress, which scales with processes).
 
+* Cluster: decisions/s of the atomic route on a local Redis Cluster of 1, 2 and 3 masters
+  started by the benchmark (``loadtest.redis_cluster``), the keys in shard groups
+  (``Settings.index_shard_groups``), several client processes at once; Redis time per
+  decision summed over the masters (``INFO commandstats``); beside it one plain Redis with
+  no groups over the same fleet; and the bytes per block on the cluster.
+
     python -m loadtest.index_bench            # writes docs/benchmarks.md sections
     python -m loadtest.index_bench --only overhead --processes 1 2 16 --suffix ", 16 cores"
+    python -m loadtest.index_bench --only cluster --cluster-processes 4
 """
 
 from __future__ import annotations
@@ -145,13 +152,16 @@ async def bench_ingestion(url: str, blocks: int = 200_000, per_event: int = 16,
             "seconds": dt, "blocks_per_s": blocks / dt}
 
 
-async def bench_memory(url: str, blocks: int = 160_000) -> dict:
+async def bench_memory(url: str, blocks: int = 160_000, cluster: bool = False,
+                       shard_groups: int | None = None) -> dict:
     """Redis memory per block of one replica's entries: ``blocks`` exact entries (applied
     as ``BlockStored`` events of 16 blocks) and as many predicted ones, each hash measured
     with ``MEMORY USAGE <key> SAMPLES 0`` (every field counted). 160k blocks is an H200
-    replica's KV cache of a 7B model at block 16 (about 2.5 M tokens)."""
+    replica's KV cache of a 7B model at block 16 (about 2.5 M tokens). ``cluster`` /
+    ``shard_groups``: the same on a Redis Cluster node, the keys in shard groups."""
     ns = f"bench-{uuid.uuid4().hex[:6]}"
-    index = RedisPrefixIndex(url, ns, timeout_s=30.0)
+    index = RedisPrefixIndex(url, ns, connections=RedisConnections(url, 30.0, cluster=cluster),
+                             shard_groups=shard_groups)
     rng = random.Random(2)
     hashes = [rng.getrandbits(64) for _ in range(blocks)]
     events = [KVEvent(EventKind.STORED, hashes[k:k + 16], hashes[k - 1] if k else None)
@@ -160,10 +170,10 @@ async def bench_memory(url: str, blocks: int = 160_000) -> dict:
         await index.apply_events("replica-00", events[k:k + 125])
     for k in range(0, blocks, 4096):
         await index.record_predicted("replica-00", hashes[k:k + 4096], 600.0)
-    client = redis.asyncio.Redis.from_url(url)
-    exact = await client.memory_usage(index.keys.exact("replica-00"), samples=0)
-    predicted = await client.memory_usage(index.keys.predicted("replica-00"), samples=0)
-    await client.aclose()
+    client = index.conn.client()
+    keys = index.keys_of("replica-00")
+    exact = await client.memory_usage(keys.exact("replica-00"), samples=0)
+    predicted = await client.memory_usage(keys.predicted("replica-00"), samples=0)
     await index.flush()
     await index.close()
     return {"blocks": blocks, "exact_bytes_per_block": exact / blocks,
@@ -409,13 +419,277 @@ def overhead_text(overhead: list[dict], concurrent: list[dict]) -> str:
     return text
 
 
+CLUSTER_GROUPS = 6  # shard groups: 2, 3 or 6 per master at 3, 2 or 1 masters
+CLUSTER_PER_GROUP = 8  # replicas per group: 48 in the fleet
+CLUSTER_PREFIX_BLOCKS = 248  # a conversation's history: 7,936 tokens at block 32
+CLUSTER_NEW_BLOCKS = 8  # its new turn: the prompt is 8,192 tokens
+CLUSTER_CONVERSATIONS = 192
+
+
+def cluster_fleet(groups, per_group: int) -> list[str]:
+    """``per_group`` replica ids in each group of ``groups`` (``ShardGroups``): the first
+    ids ``replica-<k>`` that fall in it."""
+    out: dict[int, list[str]] = {g: [] for g in range(groups.count)}
+    k = 0
+    while any(len(v) < per_group for v in out.values()):
+        r = f"replica-{k:03d}"
+        if len(out[groups.group_of(r)]) < per_group:
+            out[groups.group_of(r)].append(r)
+        k += 1
+    return [r for g in sorted(out) for r in out[g]]
+
+
+def _cluster_worker(url: str, cluster: bool, ns: str, groups: int | None, seconds: float,
+                    concurrency: int, worker: int, barrier, results) -> None:
+    """One router process of ``bench_cluster``: ``concurrency`` clients, each deciding a
+    follow-up turn of a random conversation (``route.lua`` over the whole fleet: with
+    groups, the first level picks the group) and releasing it, again and again for
+    ``seconds`` after ``barrier``; puts (decisions, route latencies in s) on ``results``."""
+    from router.redis_keys import ShardGroups
+
+    layout = ShardGroups(ns, groups)
+    replicas = cluster_fleet(layout, CLUSTER_PER_GROUP) if groups else \
+        cluster_fleet(ShardGroups(ns, CLUSTER_GROUPS), CLUSTER_PER_GROUP)
+    convs = [[random.Random(f"conv-{c}").getrandbits(63) for _ in range(CLUSTER_PREFIX_BLOCKS)]
+             for c in range(CLUSTER_CONVERSATIONS)]
+    ttls = [15.0] * len(replicas)
+    kw = dict(block_size=BS, prefill_rate=20000.0, work_weight=1.0,
+              decode_step_s_per_seq=3e-5, step_token_budget=8192, tie_abs_s=0.002,
+              tie_rel=0.05)
+
+    async def run() -> tuple[int, list[float]]:
+        conn = RedisConnections(url, 5.0, cluster=cluster)
+        index = RedisPrefixIndex(url, ns, connections=conn, shard_groups=groups)
+        load = RedisLoadTracker(conn, ns, shard_groups=groups)
+        atomic = AtomicRoute(index, load)
+        rng = random.Random(worker)
+        # warm: the script cache, and a connection per client to every master
+        for c in range(concurrency):
+            await asyncio.gather(*(atomic.route(f"warm-{worker}-{c}-{k}", 64, [k], replicas,
+                                                ttls, u=0.5, **kw) for k in range(8)))
+            for k in range(8):
+                await load.release(f"warm-{worker}-{c}-{k}")
+        barrier.wait()
+        t_end = time.perf_counter() + seconds
+        lat: list[float] = []
+
+        async def client(c: int) -> int:
+            n = 0
+            while time.perf_counter() < t_end:
+                hashes = rng.choice(convs) + [rng.getrandbits(63)
+                                              for _ in range(CLUSTER_NEW_BLOCKS)]
+                rid = f"w{worker}-{c}-{n}"
+                t0 = time.perf_counter()
+                await atomic.route(rid, len(hashes) * BS, hashes, replicas, ttls,
+                                   u=rng.random(), **kw)
+                lat.append(time.perf_counter() - t0)
+                await load.release(rid)
+                n += 1
+            return n
+
+        counts = await asyncio.gather(*(client(c) for c in range(concurrency)))
+        await load.close()
+        await conn.close()
+        return sum(counts), lat
+
+    results.put(asyncio.run(run()))
+
+
+async def _prepare_cluster_index(url: str, cluster: bool, ns: str,
+                                 groups: int | None) -> None:
+    """Every replica holds ``BACKGROUND_BLOCKS`` blocks of other prompts; each conversation
+    is held (exact entries, from KV events) by one replica of the group its first block's
+    rendezvous order puts first (where any router's first level sends it while that group
+    is within its load bound), round-robin within the group."""
+    from router.redis_keys import ShardGroups
+    from router.routing.groups import GroupChoice
+
+    layout = ShardGroups(ns, groups)
+    fleet_layout = layout if groups else ShardGroups(ns, CLUSTER_GROUPS)
+    replicas = cluster_fleet(fleet_layout, CLUSTER_PER_GROUP)
+    index = RedisPrefixIndex(url, ns, connections=RedisConnections(url, 30.0, cluster=cluster),
+                             shard_groups=groups)
+    rng = random.Random(3)
+    events: dict[str, list[KVEvent]] = {r: [] for r in replicas}
+    for r in replicas:
+        background = [rng.getrandbits(63) for _ in range(BACKGROUND_BLOCKS)]
+        events[r] += [KVEvent(EventKind.STORED, background[k:k + 512], None)
+                      for k in range(0, BACKGROUND_BLOCKS, 512)]
+    parts = fleet_layout.split(replicas)
+    choice = GroupChoice(fleet_layout)
+    turn = {g: 0 for g in parts}
+    for c in range(CLUSTER_CONVERSATIONS):
+        prefix = [random.Random(f"conv-{c}").getrandbits(63)
+                  for _ in range(CLUSTER_PREFIX_BLOCKS)]
+        g = choice.order(prefix[0].to_bytes(8, "big"), parts)[0]
+        holder = parts[g][turn[g] % len(parts[g])]
+        turn[g] += 1
+        events[holder].append(KVEvent(EventKind.STORED, prefix, None))
+    await asyncio.gather(*(index.apply_events(r, ev) for r, ev in events.items()))
+    await index.close()
+
+
+async def _cluster_script_stats(url: str, cluster: bool) -> dict[str, tuple[float, int]]:
+    """Per master (``host:port``): (microseconds spent in scripts, script calls) since its
+    start, from ``INFO commandstats`` (``evalsha`` and ``eval``)."""
+    if cluster:
+        from redis.asyncio.cluster import RedisCluster
+        client = RedisCluster.from_url(url)
+        info = await client.info("commandstats", target_nodes=RedisCluster.PRIMARIES)
+        if any(str(k).startswith("cmdstat_") for k in info):  # one master: its own dict
+            info = {url: info}
+    else:
+        client = redis.asyncio.Redis.from_url(url)
+        info = {url: await client.info("commandstats")}
+    await client.aclose()
+    out = {}
+    for node, stats in info.items():
+        out[str(node)] = (
+            float(sum(stats.get(f"cmdstat_{c}", {}).get("usec", 0) for c in ("evalsha", "eval"))),
+            int(sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("evalsha", "eval"))))
+    return out
+
+
+def bench_cluster(masters: int, processes: int, concurrency: int, seconds: float,
+                  workdir) -> dict:
+    """Decisions/s of the atomic route over a fleet of 48 replicas, on a Redis Cluster of
+    ``masters`` masters started here with the keys in 6 shard groups (``masters=0``: one
+    plain Redis started here, no groups, every replica a candidate of every decision);
+    ``processes`` router processes of ``concurrency`` clients each, for ``seconds``.
+    Every decision is a follow-up turn of 8,192 tokens of one of 192 conversations, each
+    held by one replica, followed by its release. Redis time is summed over the masters."""
+    import multiprocessing as mp
+    import subprocess
+    from pathlib import Path
+
+    from loadtest.redis_cluster import LocalRedisCluster
+    from loadtest.service import free_port
+
+    cluster = masters > 0
+    groups = CLUSTER_GROUPS if cluster else None
+    ns = f"bench-{uuid.uuid4().hex[:6]}"
+    workdir = Path(workdir) / f"m{masters}-{ns}"
+    workdir.mkdir(parents=True)
+    proc = node = None
+    if cluster:
+        node = LocalRedisCluster(workdir, masters)
+        url = node.url
+    else:
+        port = free_port()
+        proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1",
+                                 "--save", "", "--appendonly", "no", "--dir", str(workdir)],
+                                stdout=subprocess.DEVNULL)
+        url = f"redis://127.0.0.1:{port}/0"
+        import redis as sync_redis
+        for _ in range(100):
+            try:
+                if sync_redis.Redis.from_url(url).ping():
+                    break
+            except sync_redis.RedisError:
+                time.sleep(0.1)
+    try:
+        asyncio.run(_prepare_cluster_index(url, cluster, ns, groups))
+        ctx = mp.get_context("spawn")
+        barrier, results = ctx.Barrier(processes + 1), ctx.Queue()
+        procs = [ctx.Process(target=_cluster_worker,
+                             args=(url, cluster, ns, groups, seconds, concurrency, k,
+                                   barrier, results)) for k in range(processes)]
+        for p in procs:
+            p.start()
+        barrier.wait(timeout=300)  # every worker warm
+        before = asyncio.run(_cluster_script_stats(url, cluster))
+        t0 = time.perf_counter()
+        got = [results.get(timeout=seconds + 300) for _ in procs]
+        wall = time.perf_counter() - t0
+        after = asyncio.run(_cluster_script_stats(url, cluster))
+        for p in procs:
+            p.join()
+    finally:
+        if node is not None:
+            node.stop()
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+    decisions = sum(n for n, _ in got)
+    lat = [x for _, ls in got for x in ls]
+    usec = {k: after[k][0] - before[k][0] for k in after}
+    calls = {k: after[k][1] - before[k][1] for k in after}
+    redis_us = sum(usec.values()) / decisions
+    busiest = max(usec.values()) / (seconds * 1e6)
+    return {"masters": masters, "groups": groups, "replicas": CLUSTER_PER_GROUP * CLUSTER_GROUPS,
+            "processes": processes, "concurrency": concurrency, "seconds": seconds,
+            "wall_s": wall, "decisions": decisions, "decisions_per_s": decisions / seconds,
+            "route_p50_ms": pct(lat, 0.5) * 1e3, "route_p99_ms": pct(lat, 0.99) * 1e3,
+            "redis_us_per_decision": redis_us,
+            "script_calls_per_master": sorted(calls.values()),
+            "busiest_master_busy": busiest,
+            "redis_bound_decisions_per_s": max(masters, 1) * 1e6 / redis_us,
+            "cores": __import__("os").cpu_count()}
+
+
+CLUSTER_NOTES = """Reading: each row starts its own Redis (a plain one; or a cluster of 1-3
+masters from `redis-server --cluster-enabled yes` and `redis-cli --cluster create`, slots
+split evenly) on this machine, and the router processes run beside it: **on a 2-core VM
+the clients and the servers share the two cores**, so the decisions/s measured there are
+bounded by the machine, not by Redis, and do not grow with the masters. The columns that
+show what sharding buys are the Redis time per decision (all masters' script time, `INFO
+commandstats`, over the decisions: a route and its release) and the share of the run the
+busiest master spent in scripts; *Redis-bound ceiling* is masters x 1 s / Redis time per
+decision, the rate at which the masters themselves would saturate with enough client cores
+(it assumes the groups' load even over the masters, which the script calls per master
+show). With groups, a decision's candidates are one group's 8 replicas, not the fleet's
+48: that, more than the masters, is what makes a decision cheaper in Redis. Each decision
+is a follow-up turn of 8,192 tokens (block 32) of one of 192 conversations, each held
+whole by one replica (from KV events); every replica also holds 4,096 blocks of other
+prompts."""
+
+
+def cluster_text(rows: list[dict], memory: dict | None, memory_one: dict | None = None) -> str:
+    """The docs/benchmarks.md section of ``--only cluster``."""
+    table = ["| Redis | shard groups | replicas (candidates per decision) | router processes x "
+             "clients | decisions/s | route p50 (ms) | route p99 (ms) | Redis time per "
+             "decision (us, all masters) | busiest master in scripts | script calls per "
+             "master | Redis-bound ceiling (decisions/s) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        what = "one Redis, no groups" if r["masters"] == 0 else f"cluster, {r['masters']} " \
+            f"master{'s' if r['masters'] > 1 else ''}"
+        cands = r["replicas"] if r["masters"] == 0 else CLUSTER_PER_GROUP
+        table.append(f"| {what} | {r['groups'] or '-'} | {r['replicas']} ({cands}) | "
+                     f"{r['processes']} x {r['concurrency']} | {r['decisions_per_s']:,.0f} | "
+                     f"{r['route_p50_ms']:.2f} | {r['route_p99_ms']:.2f} | "
+                     f"{r['redis_us_per_decision']:.0f} | {r['busiest_master_busy']:.0%} | "
+                     f"{' / '.join(f'{c:,}' for c in r['script_calls_per_master'])} | "
+                     f"{r['redis_bound_decisions_per_s']:,.0f} |")
+    text = "\n".join(table)
+    if memory:
+        text += (f"\n\nRedis memory per block on the cluster ({memory['blocks']:,} blocks of "
+                 f"one replica, `MEMORY USAGE`, keys in shard groups): exact entry "
+                 f"{memory['exact_bytes_per_block']:.1f} bytes, predicted entry "
+                 f"{memory['predicted_bytes_per_block']:.1f} bytes")
+        if memory_one:
+            text += (f"; on one Redis in the same run (`--redis-url`), "
+                     f"{memory_one['exact_bytes_per_block']:.1f} and "
+                     f"{memory_one['predicted_bytes_per_block']:.1f} bytes")
+        text += "."
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     ap.add_argument("--iters", type=int, default=2000,
                     help="requests per case up to 8k tokens (a tenth of it above): p99 of "
                          "2,000 is the 20th worst, steadier than 300's third worst")
-    ap.add_argument("--only", choices=["lookup", "overhead", "shadow"], default=None)
+    ap.add_argument("--only", choices=["lookup", "overhead", "shadow", "cluster"], default=None)
+    ap.add_argument("--cluster-processes", type=int, default=4,
+                    help="router processes deciding at once in the cluster benchmark")
+    ap.add_argument("--cluster-concurrency", type=int, default=8,
+                    help="clients per router process in the cluster benchmark")
+    ap.add_argument("--cluster-seconds", type=float, default=10.0,
+                    help="measured seconds per row of the cluster benchmark")
+    ap.add_argument("--masters", nargs="+", type=int, default=[0, 1, 2, 3],
+                    help="cluster sizes of the cluster benchmark (0: one plain Redis)")
     ap.add_argument("--processes", nargs="+", type=int, default=[1, 2],
                     help="ingress process counts for the 32-way concurrent run")
     ap.add_argument("--no-doc", action="store_true")
@@ -487,6 +761,31 @@ def main(argv: list[str] | None = None) -> int:
         if not a.no_doc:
             write_benchmark_doc("Shadow evaluation" + a.suffix, cmd.strip(), text,
                                 SHADOW_NOTES)
+    if a.only in (None, "cluster"):
+        import tempfile
+        rows = []
+        with tempfile.TemporaryDirectory(prefix="index-bench-cluster-") as tmp:
+            for masters in a.masters:
+                rows.append(bench_cluster(masters, a.cluster_processes, a.cluster_concurrency,
+                                          a.cluster_seconds, tmp))
+                print(json.dumps(rows[-1]), flush=True)
+            from pathlib import Path
+
+            from loadtest.redis_cluster import LocalRedisCluster
+            with LocalRedisCluster(Path(tmp) / "memory", 3) as node:
+                memory = asyncio.run(bench_memory(node.url, cluster=True,
+                                                  shard_groups=CLUSTER_GROUPS))
+            print(json.dumps(memory), flush=True)
+        memory_one = asyncio.run(bench_memory(a.redis_url))  # the same on one Redis
+        print(json.dumps(memory_one), flush=True)
+        (RESULTS / f"cluster-bench-{stamp}.json").write_text(
+            json.dumps({"rows": rows, "memory": memory, "memory_one_redis": memory_one},
+                       indent=1))
+        text = cluster_text(rows, memory, memory_one)
+        print(text)
+        if not a.no_doc:
+            write_benchmark_doc("Redis Cluster: decisions/s against shards" + a.suffix,
+                                cmd.strip(), text, CLUSTER_NOTES)
     if a.only in (None, "overhead"):
         overhead = [asyncio.run(bench_overhead(a.redis_url, t, n, unique))
                     for unique in (False, True)
