@@ -311,3 +311,26 @@ def test_cluster_settings_need_groups_and_a_url():
         Settings(index_shard_groups=0)
     s = Settings(redis_url="redis://127.0.0.1:7000", redis_cluster=True, index_shard_groups=4)
     assert s.index_group_load_factor == 1.25
+
+
+async def test_the_services_factories_build_the_cluster_mode(redis_cluster):
+    """``router.serve.state`` builds the index, the load tracker and the two-level atomic
+    decision from the settings alone, on the cluster client."""
+    from router.serve import state
+
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    settings = Settings(redis_url=redis_cluster.url, redis_cluster=True, index_shard_groups=4,
+                        index_group_load_factor=1.5, index_namespace=ns, block_size=BS)
+    core = state.make_routing_core(settings, PrefixAware(random.Random(0)))
+    assert core.index.conn.cluster and core.index.groups.count == 4
+    assert core.atomic.first_level.load_factor == 1.5
+    reps = [ReplicaInfo(f"replica-{k}", {}, {}) for k in range(12)]
+    d1 = await core.decide("f1", 40 * BS, list(range(1, 41)), reps)
+    d2 = await core.decide("f2", 44 * BS, list(range(1, 41)) + [77, 78, 79], reps)
+    assert (d2.replica, d2.reason) == (d1.replica, "cache")
+    for rid in ("f1", "f2"):
+        await core.load.release(rid)
+    assert sum(v.inflight for v in (await core.load.loads([r.replica_id for r in reps]))
+               .values()) == 0
+    await core.load.close()
+    await core.index.flush()
