@@ -263,11 +263,11 @@ class ExternalFleet:
         """One round: join new engines, drop removed ones, refresh every engine's record,
         renew the feeder leases, publish."""
         wanted = {e.replica_id: e for e in self.wanted()}
+        if self._uncleared:  # the clears an earlier poll could not make
+            await self._clear_removed()
         for rid in [r for r in self.replicas if r not in wanted
                     or wanted[r] != self.replicas[r].spec]:
             await self._remove(rid)
-        if self._uncleared:
-            await self._clear_removed()
         for rid, spec in wanted.items():
             if rid not in self.replicas:
                 r = ExternalReplica(spec, self.settings,

@@ -262,7 +262,7 @@ class Ingress:
                   for i in state.peek("external_replicas") or ()]
         health = state.replica_health()
         drained = await state.make_drains(self.settings).refresh()
-        index = self.core._prefix_index()
+        index = self.core.prefix_index()
         out = []
         for rid, md, md_dict, stats, external in infos:
             mismatch = hash_mismatches(self.settings.hash_settings, md)

@@ -113,11 +113,11 @@ class IngressCore:
         if start >= len(req.block_hashes):
             return
         try:
-            await self._prefix_index().forget_predicted(replica, req.block_hashes[start:])
+            await self.prefix_index().forget_predicted(replica, req.block_hashes[start:])
         except IndexUnavailable:
             metrics.inc("index_errors", tags={"op": "forget_predicted"})
 
-    def _prefix_index(self):
+    def prefix_index(self):
         """The index, made on first use: on the ingress's own loop (a Redis client belongs
         to the loop that made it)."""
         if self._index is None:
@@ -290,7 +290,7 @@ class IngressCore:
         if not replicas or not head_hashes:
             return True
         try:
-            matched = await self._prefix_index().lookup(head_hashes, sorted(replicas))
+            matched = await self.prefix_index().lookup(head_hashes, sorted(replicas))
         except IndexUnavailable:
             return False
         return max(matched.values(), default=0) >= len(head_hashes)

@@ -168,10 +168,18 @@ def replica_infos():
     ``router.serve.request_router``), then the engines reached by URL
     (``external_replicas``, put by ``replicas.external.ExternalFleet``); None before either
     is known."""
+    global _joined
     serve, external = peek("replica_infos"), peek("external_replicas")
     if external is None:
         return serve
-    return tuple(serve or ()) + tuple(external)
+    s, e, both = _joined  # joined once per change of either set, not on every call
+    if s is not serve or e is not external:
+        both = tuple(serve or ()) + tuple(external)
+        _joined = (serve, external, both)
+    return both
+
+
+_joined: tuple = (None, None, ())  # (Serve's set, the external set, the two joined)
 
 
 def replica_health():
