@@ -202,6 +202,34 @@ async def test_sustained_overload_is_refused_on_arrival_not_after_the_timeout():
     await asyncio.gather(*waiting, return_exceptions=True)
 
 
+async def test_a_waiting_request_that_can_no_longer_make_it_is_refused_before_its_deadline():
+    """Let in on the drain rate of the moment, a request learns its 429 as soon as the
+    queue's figures turn against it (no slot freed since: the rate falls, its remaining
+    time shrinks), not when its timeout runs out; the head, still within reach, waits and
+    gets the next slot."""
+    load = MemoryLoadTracker()
+    await _full(load)
+    adm = Admission(load, 2, timeout_s=1.0)
+    for i in range(4):  # 4 slots in the last 0.4 s: about 10 per second, then none
+        adm._grants.append(time.monotonic() - 0.4 + 0.1 * i)
+    t0 = time.monotonic()
+    tasks = [asyncio.create_task(adm.admit(f"w{i}", lambda: REPLICAS)) for i in range(5)]
+    await asyncio.sleep(0.01)
+    assert adm.waiting == 5  # each fitted on arrival: at most 5 / 10 per second = 0.5 s
+    with pytest.raises(OpenAIError) as err:
+        await asyncio.wait_for(tasks[4], 1.0)
+    assert err.value.status == 429
+    # at rate 4 / (0.4 + t) the last's (4 + 1) / rate passes its 1 - t left at t = 0.22 s
+    assert time.monotonic() - t0 < 0.5
+    await asyncio.sleep(max(0.0, 0.5 - (time.monotonic() - t0)))
+    assert not tasks[0].done()  # the head: 1 / rate < 1 - t until t = 0.72 s
+    await _free_one(load, adm, "a0")
+    await asyncio.wait_for(tasks[0], 1.0)
+    for t in tasks[1:]:
+        t.cancel()
+    await asyncio.gather(*tasks[1:], return_exceptions=True)
+
+
 async def test_a_standing_queue_refuses_newcomers_after_the_short_timeout():
     """A queue that has not been empty for queue_timeout_s is sustained overload: who joins
     it gets its 429 after overloaded_timeout_s, not after queue_timeout_s (the

@@ -18,7 +18,11 @@ the controlled-delay rule of Facebook's servers (B. Maurer, "Fail at Scale", ACM
 spent in the queue is limited to M ms", with N = 100 ms and M = 5 ms there), itself after
 CoDel (Nichols and Jacobson, RFC 8289). Under sustained overload the refusals thus come in
 a few milliseconds, where a request the drain-rate estimate let in would otherwise wait the
-whole ``queue_timeout_s`` before its 429. Only the head
+whole ``queue_timeout_s`` before its 429. The same estimate is made again at every look
+of the queue for each request still waiting: one whose remaining time no longer covers
+``(k + 1) / rate`` (``k`` requests ahead of it now) is refused then, not at its deadline, so
+a request let in on an estimate that has since turned against it learns it as soon as the
+queue's own figures say so. Only the head
 of the queue looks at the load. It looks again every ``poll_s`` and at once when this process releases a request,
 so the queue drains as fast as the fleet frees slots.
 
@@ -82,7 +86,8 @@ class Admission:
         self._last_empty = time.monotonic()  # when the queue was last seen empty
         self.retry_after_s = retry_after_s
         self.poll_s = poll_s
-        self._queue: list[tuple] = []  # (priority, seq, turn, request id), a heap
+        # (priority, seq, turn, request id, deadline in time.monotonic()), a heap
+        self._queue: list[tuple] = []
         self._seq = itertools.count()
         # admitted here: request id -> when it reserved (None: not yet). A request that
         # reserved after a load read began may be missing from that read, so it is kept
@@ -184,14 +189,18 @@ class Admission:
             raise overloaded(self.timeout_s, self.retry_after_s)  # it would time out anyway
         loop = asyncio.get_running_loop()
         turn: asyncio.Future = loop.create_future()
-        entry = (priority, next(self._seq), turn, request_id)
+        entry = (priority, next(self._seq), turn, request_id, t0 + timeout)
         heapq.heappush(self._queue, entry)
         metrics.get("admission_waiting").set(len(self._queue))
         if self._head_task is None or self._head_task.done():
             self._head_task = loop.create_task(self._serve_queue(replicas))
         try:
             async with asyncio.timeout(timeout):  # not wait_for: see RedisConnections.client
-                await asyncio.shield(turn)
+                granted = await asyncio.shield(turn)
+            if not granted:  # the queue's look found it could no longer make it in time
+                self._drop(entry)
+                metrics.inc("admission_refused", tags={"reason": "overloaded"})
+                raise overloaded(timeout, self.retry_after_s)
         except TimeoutError:
             if turn.done() and not turn.cancelled():  # admitted at the last moment
                 return time.monotonic() - t0
@@ -206,6 +215,24 @@ class Admission:
         waited = time.monotonic() - t0
         metrics.get("admission_wait").observe(waited)
         return waited
+
+    def _refuse_the_late(self) -> None:
+        """Refuse now (their ``admit`` raises the 429) the waiting requests that the drain
+        rate says will not get a slot before their deadline: with ``k`` requests ahead,
+        the ``(k + 1)``-th slot to free comes in about ``(k + 1) / rate`` seconds. Nothing
+        is refused before the rate is measured (``drain_rate`` is None)."""
+        now = time.monotonic()
+        rate = self.drain_rate(now)
+        if rate is None:
+            return
+        k = 0
+        for entry in sorted(e for e in self._queue if not e[2].done()):
+            if (k + 1) / rate > entry[4] - now:
+                entry[2].set_result(False)
+            else:
+                k += 1
+        if not any(not e[2].done() for e in self._queue):
+            self._last_empty = now
 
     def _queue_empty_within(self, window_s: float) -> bool:
         """Whether the queue was empty at some moment of the last ``window_s`` (s)."""
@@ -252,6 +279,7 @@ class Admission:
             if room > 0:
                 metrics.get("admission_waiting").set(len(self._queue))
                 continue
+            self._refuse_the_late()
             self._wake.clear()
             try:
                 async with asyncio.timeout(self.poll_s):
