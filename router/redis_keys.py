@@ -297,12 +297,23 @@ ACL_COMMANDS = (
 )
 
 
-def acl_rules(namespace: str = "prefix-router") -> list[str]:
+# What redis-py's cluster client (``redis.asyncio.cluster.RedisCluster``) sends beside the
+# router's own commands: ``CLUSTER SLOTS`` (the slot map, when it connects and after a
+# MOVED), ``COMMAND`` (the command table that says where each command's keys are) and
+# ``ASKING`` (to follow an ASK redirect while a slot migrates, when shards are added).
+# Without the first two it cannot connect (tests/test_redis_cluster.py).
+ACL_CLUSTER_COMMANDS = ("cluster|slots", "command", "asking")
+
+
+def acl_rules(namespace: str = "prefix-router", cluster: bool = False) -> list[str]:
     """The rules of a Redis ACL user (``ACL SETUSER <user> on ><password> <rules...>``)
     that may do what the router does and nothing else: its commands (``ACL_COMMANDS``),
-    on the keys of ``namespace`` only, with no pub/sub channel."""
+    on the keys of ``namespace`` only, with no pub/sub channel; with ``cluster`` (set the
+    user on every node of a Redis Cluster), also what the cluster client needs to learn the
+    slot map (``ACL_CLUSTER_COMMANDS``)."""
+    commands = ACL_COMMANDS + (ACL_CLUSTER_COMMANDS if cluster else ())
     return ["resetkeys", f"~{namespace}:*", "resetchannels", "-@all",
-            *(f"+{c}" for c in ACL_COMMANDS)]
+            *(f"+{c}" for c in commands)]
 
 
 BLOCK_FIELD_BYTES = 8
@@ -331,7 +342,8 @@ def unpack_field(field: bytes) -> int:
     return int.from_bytes(field, "big")
 
 
-if __name__ == "__main__":  # python -m router.redis_keys [namespace]: the ACL rules to set
+if __name__ == "__main__":  # python -m router.redis_keys [namespace] [--cluster]: ACL rules
     import sys
 
-    print(" ".join(acl_rules(*sys.argv[1:2])))
+    args = [a for a in sys.argv[1:] if a != "--cluster"]
+    print(" ".join(acl_rules(*args[:1], cluster="--cluster" in sys.argv[1:])))

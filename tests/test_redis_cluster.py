@@ -334,3 +334,56 @@ async def test_the_services_factories_build_the_cluster_mode(redis_cluster):
                .values()) == 0
     await core.load.close()
     await core.index.flush()
+
+
+async def test_the_routers_acl_user_is_enough_on_a_cluster(redis_cluster):
+    """Every master gets the ACL user of ``router.redis_keys.acl_rules(ns, cluster=True)``
+    (the router's commands on its namespace's keys, plus the slot map and command table
+    that the cluster client reads when it connects): a decision, KV events, lookups, the
+    lease sweep, sessions and rate limits all pass with it, and a key outside the
+    namespace is refused."""
+    import subprocess
+
+    from router.redis_keys import acl_rules
+    from router.routing.sessions import RedisSessionStore
+    from router.serve.auth import Tenant
+    from router.serve.ratelimit import RateLimiter
+
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    user, password = f"router-{ns}", uuid.uuid4().hex
+    for port in redis_cluster.ports:
+        subprocess.run(["redis-cli", "-p", str(port), "ACL", "SETUSER", user, "on",
+                        f">{password}", *acl_rules(ns, cluster=True)], check=True,
+                       capture_output=True)
+    url = f"redis://{user}:{password}@127.0.0.1:{redis_cluster.ports[0]}/0"
+    conn = RedisConnections(url, 2.0, cluster=True)
+    index = RedisPrefixIndex(url, ns, connections=conn, shard_groups=3)
+    load = RedisLoadTracker(conn, ns, shard_groups=3)
+    atomic = AtomicRoute(index, load, GroupChoice(index.groups))
+    replicas = fleet(index.groups, 2)
+    try:
+        first = list(range(1000, 1040))
+        chosen, _ = await atomic.route("acl-1", 40 * BS, first, replicas,
+                                       [15.0] * len(replicas),
+                                       **route_kwargs(PrefixAware(), 0.5))
+        await load.release("acl-1")
+        await index.apply_events(chosen, [KVEvent("stored", first, None)])
+        assert (await index.lookup(first, replicas))[chosen] == 40
+        again, matched = await atomic.route("acl-2", 41 * BS, first + [5], replicas,
+                                            [15.0] * len(replicas),
+                                            **route_kwargs(PrefixAware(), 0.5))
+        assert again == chosen and matched[chosen] == 40
+        await load.release("acl-2")
+        await load.sweep()
+        sessions = RedisSessionStore(conn, ns)
+        assert await sessions.pin_first("s", chosen, 60) == chosen
+        await RateLimiter(conn, ns).check(Tenant("acme", requests_per_minute=5), 10)
+        with pytest.raises(redis.exceptions.NoPermissionError):
+            await conn.client(2.0).set("elsewhere:key", "1")
+    finally:
+        await load.close()
+        await index.flush()
+        await conn.close()
+        for port in redis_cluster.ports:
+            subprocess.run(["redis-cli", "-p", str(port), "ACL", "DELUSER", user],
+                           capture_output=True)
