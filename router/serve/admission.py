@@ -7,9 +7,9 @@ this ingress's queue, ordered by priority (lower first, as vLLM's ``priority`` f
 by arrival, for at most ``Settings.queue_timeout_s``. Past that it is refused with a 429 and a
 ``Retry-After`` header, so a client under overload learns it in a bounded time and backs off
 (OpenAI answers rate limits and overload the same way). A request that cannot be admitted
-in time is refused at once: the queue drains at a measured rate (the slots handed out in
-the last seconds), so a request with ``k`` requests ahead of it would wait about
-``k / rate``; past ``queue_timeout_s`` it gets its 429 on arrival, not after waiting for it.
+in time is refused at once: the queue drains at a measured rate (the slots the fleet freed
+for it while it waited: ``drain_rate``), so a request with ``k`` requests ahead of it would
+wait about ``(k + 1) / rate``; past ``queue_timeout_s`` it gets its 429 on arrival, not after waiting for it.
 Bursts within the fleet's capacity wait; sustained overload is refused fast. And a queue
 that has not been empty for ``queue_timeout_s`` is a standing queue, not a burst: a request
 that joins it may wait only ``overloaded_timeout_s`` (5 ms by default) before its 429. This is
@@ -97,19 +97,29 @@ class Admission:
         self._pending_lock = threading.Lock()  # reserved() comes from the Ray router's loop too
         self._wake: asyncio.Event | None = None
         self._head_task: asyncio.Task | None = None
-        self._grants: deque[float] = deque(maxlen=256)  # when slots were handed out
+        # how long the queue waited for each of its last slots (s), counted while it held a
+        # request: since it filled, or since its previous slot
+        self._free_gaps: deque[float] = deque(maxlen=self.RATE_SAMPLES)
+        self._saturated_since: float | None = None
 
-    RATE_WINDOW_S = 10.0
+    RATE_SAMPLES = 32
 
     def drain_rate(self, now: float | None = None) -> float | None:
-        """Slots handed out per second over the last ``RATE_WINDOW_S`` (s; at once or from
-        the queue: while every slot is taken, the rate slots free up), or None before 4
-        were (then every request may wait)."""
-        now = time.monotonic() if now is None else now
-        recent = [t for t in self._grants if now - t <= self.RATE_WINDOW_S]
-        if len(recent) < 4:
+        """Slots the fleet frees for this queue per second while it waits (1/s): the
+        inverse of the mean time the queue waited for each of its last ``RATE_SAMPLES``
+        slots, counted only while it held a request. Slots handed out at once, with nobody
+        waiting, are not counted: their rate is the rate requests came, which under the
+        fleet's capacity says nothing of how fast slots free up once it is full (at 0.8 x
+        capacity it is 0.8 x the free rate, and a queue that formed would have been judged
+        by it too slow). None before 4 such waits: then every request may wait."""
+        if len(self._free_gaps) < 4:
             return None
-        return len(recent) / max(now - recent[0], 1e-3)
+        return len(self._free_gaps) / max(sum(self._free_gaps), 1e-6)
+
+    def _emptied(self, now: float) -> None:
+        """The queue holds no live request (from ``now``)."""
+        self._last_empty = now
+        self._saturated_since = None
 
     @property
     def waiting(self) -> int:
@@ -175,10 +185,9 @@ class Admission:
         if self.bound is None:
             return 0.0
         if not self._queue:
-            self._last_empty = time.monotonic()
+            self._emptied(time.monotonic())
         if not self._queue and await self._room(replicas()) > 0 and not self._queue:
             self._take(request_id)
-            self._grants.append(time.monotonic())
             return 0.0
         standing = not self._queue_empty_within(self.timeout_s)
         timeout = self.overloaded_timeout_s if standing else self.timeout_s
@@ -191,6 +200,8 @@ class Admission:
         turn: asyncio.Future = loop.create_future()
         entry = (priority, next(self._seq), turn, request_id, t0 + timeout)
         heapq.heappush(self._queue, entry)
+        if self._saturated_since is None:
+            self._saturated_since = time.monotonic()
         metrics.get("admission_waiting").set(len(self._queue))
         if self._head_task is None or self._head_task.done():
             self._head_task = loop.create_task(self._serve_queue(replicas))
@@ -232,12 +243,12 @@ class Admission:
             else:
                 k += 1
         if not any(not e[2].done() for e in self._queue):
-            self._last_empty = now
+            self._emptied(now)
 
     def _queue_empty_within(self, window_s: float) -> bool:
         """Whether the queue was empty at some moment of the last ``window_s`` (s)."""
         if not any(not e[2].done() for e in self._queue):
-            self._last_empty = time.monotonic()
+            self._emptied(time.monotonic())
         return time.monotonic() - self._last_empty <= window_s
 
     def _drop(self, entry) -> None:
@@ -246,8 +257,8 @@ class Admission:
             heapq.heapify(self._queue)
         except ValueError:
             pass
-        if not self._queue:
-            self._last_empty = time.monotonic()
+        if not any(not e[2].done() for e in self._queue):
+            self._emptied(time.monotonic())
         if not entry[2].done():
             entry[2].cancel()
         metrics.get("admission_waiting").set(len(self._queue))
@@ -260,7 +271,7 @@ class Admission:
             if head[2].done():  # timed out or left
                 heapq.heappop(self._queue)
                 if not self._queue:
-                    self._last_empty = time.monotonic()
+                    self._emptied(time.monotonic())
                 continue
             try:
                 room = await self._room(replicas())
@@ -270,9 +281,12 @@ class Admission:
                     heapq.heappop(self._queue)
                     self._take(head[3])
                     head[2].set_result(True)
-                    self._grants.append(time.monotonic())
-                    if not self._queue:
-                        self._last_empty = time.monotonic()
+                    now = time.monotonic()
+                    if self._saturated_since is not None:
+                        self._free_gaps.append(now - self._saturated_since)
+                    self._saturated_since = now
+                    if not any(not e[2].done() for e in self._queue):
+                        self._emptied(now)
             except Exception as exc:  # noqa: BLE001 - the load tracker falls back itself
                 logger.warning("admission could not read the load: %s", exc)
                 room = 0
