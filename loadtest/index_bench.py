@@ -23,6 +23,8 @@
     python -m loadtest.index_bench            # writes docs/benchmarks.md sections
     python -m loadtest.index_bench --only overhead --processes 1 2 16 --suffix ", 16 cores"
     python -m loadtest.index_bench --only cluster --cluster-processes 4
+    python -m loadtest.index_bench --only cluster --masters 0 1 2 3 4 6 --cluster-processes 12 \
+        --cluster-no-memory --suffix ", 16-core GPU host"   # a machine with cores to spare
 """
 
 from __future__ import annotations
@@ -440,11 +442,12 @@ def cluster_fleet(groups, per_group: int) -> list[str]:
 
 
 def _cluster_worker(url: str, cluster: bool, ns: str, groups: int | None, seconds: float,
-                    concurrency: int, worker: int, barrier, results) -> None:
+                    concurrency: int, worker: int, ready, go, results) -> None:
     """One router process of ``bench_cluster``: ``concurrency`` clients, each deciding a
     follow-up turn of a random conversation (``route.lua`` over the whole fleet: with
     groups, the first level picks the group) and releasing it, again and again for
-    ``seconds`` after ``barrier``; puts (decisions, route latencies in s) on ``results``."""
+    ``seconds`` after ``go`` (``ready`` once warm); puts (decisions, route latencies in s, the process's CPU
+    seconds over that window) on ``results``."""
     from router.redis_keys import ShardGroups
 
     layout = ShardGroups(ns, groups)
@@ -457,19 +460,25 @@ def _cluster_worker(url: str, cluster: bool, ns: str, groups: int | None, second
               decode_step_s_per_seq=3e-5, step_token_budget=8192, tie_abs_s=0.002,
               tie_rel=0.05)
 
-    async def run() -> tuple[int, list[float]]:
+    async def run() -> tuple[int, list[float], float]:
         conn = RedisConnections(url, 5.0, cluster=cluster)
         index = RedisPrefixIndex(url, ns, connections=conn, shard_groups=groups)
         load = RedisLoadTracker(conn, ns, shard_groups=groups)
         atomic = AtomicRoute(index, load)
         rng = random.Random(worker)
-        # warm: the script cache, and a connection per client to every master
+        # warm: the script cache, and a connection per client to every master; the first
+        # decision alone (see _prepare_cluster_index: concurrent first connections on a
+        # cluster lost some)
+        await atomic.route(f"warm-{worker}", 64, [0], replicas, ttls, u=0.5, **kw)
+        await load.release(f"warm-{worker}")
         for c in range(concurrency):
             await asyncio.gather(*(atomic.route(f"warm-{worker}-{c}-{k}", 64, [k], replicas,
                                                 ttls, u=0.5, **kw) for k in range(8)))
             for k in range(8):
                 await load.release(f"warm-{worker}-{c}-{k}")
-        barrier.wait()
+        ready.wait()
+        go.wait()  # the parent has read the masters' counters in between
+        cpu0 = time.process_time()
         t_end = time.perf_counter() + seconds
         lat: list[float] = []
 
@@ -488,9 +497,10 @@ def _cluster_worker(url: str, cluster: bool, ns: str, groups: int | None, second
             return n
 
         counts = await asyncio.gather(*(client(c) for c in range(concurrency)))
+        cpu = time.process_time() - cpu0
         await load.close()
         await conn.close()
-        return sum(counts), lat
+        return sum(counts), lat, cpu
 
     results.put(asyncio.run(run()))
 
@@ -525,28 +535,40 @@ async def _prepare_cluster_index(url: str, cluster: bool, ns: str,
         holder = parts[g][turn[g] % len(parts[g])]
         turn[g] += 1
         events[holder].append(KVEvent(EventKind.STORED, prefix, None))
-    await asyncio.gather(*(index.apply_events(r, ev) for r, ev in events.items()))
+    # one replica at a time: on a cluster, redis-py 8.1's client lost connections (MOVED
+    # answers, then "Connection lost") when 48 writes opened connections at once, and
+    # Python 3.12.3 turns such a lost write into a TypeError that nothing retries
+    for r, ev in events.items():
+        await index.apply_events(r, ev)
     await index.close()
 
 
-async def _cluster_script_stats(url: str, cluster: bool) -> dict[str, tuple[float, int]]:
-    """Per master (``host:port``): (microseconds spent in scripts, script calls) since its
-    start, from ``INFO commandstats`` (``evalsha`` and ``eval``)."""
+async def _cluster_script_stats(url: str,
+                                cluster: bool) -> dict[str, tuple[float, int, float]]:
+    """Per master (``host:port``): (microseconds spent in scripts, script calls, CPU seconds
+    of the server process) since its start, from ``INFO commandstats`` (``evalsha`` and
+    ``eval``) and ``INFO cpu`` (``used_cpu_user`` + ``used_cpu_sys``)."""
     if cluster:
         from redis.asyncio.cluster import RedisCluster
         client = RedisCluster.from_url(url)
         info = await client.info("commandstats", target_nodes=RedisCluster.PRIMARIES)
+        cpu = await client.info("cpu", target_nodes=RedisCluster.PRIMARIES)
         if any(str(k).startswith("cmdstat_") for k in info):  # one master: its own dict
             info = {url: info}
+        if "used_cpu_user" in cpu:
+            cpu = {url: cpu}
     else:
         client = redis.asyncio.Redis.from_url(url)
         info = {url: await client.info("commandstats")}
+        cpu = {url: await client.info("cpu")}
     await client.aclose()
     out = {}
     for node, stats in info.items():
+        used = cpu.get(node, {})
         out[str(node)] = (
             float(sum(stats.get(f"cmdstat_{c}", {}).get("usec", 0) for c in ("evalsha", "eval"))),
-            int(sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("evalsha", "eval"))))
+            int(sum(stats.get(f"cmdstat_{c}", {}).get("calls", 0) for c in ("evalsha", "eval"))),
+            float(used.get("used_cpu_user", 0.0)) + float(used.get("used_cpu_sys", 0.0)))
     return out
 
 
@@ -590,14 +612,17 @@ def bench_cluster(masters: int, processes: int, concurrency: int, seconds: float
     try:
         asyncio.run(_prepare_cluster_index(url, cluster, ns, groups))
         ctx = mp.get_context("spawn")
-        barrier, results = ctx.Barrier(processes + 1), ctx.Queue()
+        ready, go = ctx.Barrier(processes + 1), ctx.Barrier(processes + 1)
+        results = ctx.Queue()
         procs = [ctx.Process(target=_cluster_worker,
                              args=(url, cluster, ns, groups, seconds, concurrency, k,
-                                   barrier, results)) for k in range(processes)]
+                                   ready, go, results)) for k in range(processes)]
         for p in procs:
             p.start()
-        barrier.wait(timeout=300)  # every worker warm
+        ready.wait(timeout=300)  # every worker warm
+        # read before the start, so the counters cover the whole window
         before = asyncio.run(_cluster_script_stats(url, cluster))
+        go.wait(timeout=60)
         t0 = time.perf_counter()
         got = [results.get(timeout=seconds + 300) for _ in procs]
         wall = time.perf_counter() - t0
@@ -610,10 +635,11 @@ def bench_cluster(masters: int, processes: int, concurrency: int, seconds: float
         if proc is not None:
             proc.kill()
             proc.wait()
-    decisions = sum(n for n, _ in got)
-    lat = [x for _, ls in got for x in ls]
+    decisions = sum(n for n, _, _ in got)
+    lat = [x for _, ls, _ in got for x in ls]
     usec = {k: after[k][0] - before[k][0] for k in after}
     calls = {k: after[k][1] - before[k][1] for k in after}
+    server_cpu = {k: after[k][2] - before[k][2] for k in after}
     redis_us = sum(usec.values()) / decisions
     busiest = max(usec.values()) / (seconds * 1e6)
     return {"masters": masters, "groups": groups, "replicas": CLUSTER_PER_GROUP * CLUSTER_GROUPS,
@@ -624,14 +650,23 @@ def bench_cluster(masters: int, processes: int, concurrency: int, seconds: float
             "script_calls_per_master": sorted(calls.values()),
             "busiest_master_busy": busiest,
             "redis_bound_decisions_per_s": max(masters, 1) * 1e6 / redis_us,
+            # CPU over the measured window, as a share of one core: the router processes'
+            # mean, and the busiest master's (its whole process, scripts and network)
+            "client_cpu_per_process": statistics.mean(c for _, _, c in got) / seconds,
+            "busiest_master_cpu": max(server_cpu.values()) / wall,
+            "master_cpu": sorted(v / wall for v in server_cpu.values()),
             "cores": __import__("os").cpu_count()}
 
 
-CLUSTER_NOTES = """Reading: each row starts its own Redis (a plain one; or a cluster of 1-3
+CLUSTER_NOTES = """Reading: each row starts its own Redis (a plain one; or a cluster of
 masters from `redis-server --cluster-enabled yes` and `redis-cli --cluster create`, slots
-split evenly) on this machine, and the router processes run beside it: **on a 2-core VM
-the clients and the servers share the two cores**, so the decisions/s measured there are
-bounded by the machine, not by Redis, and do not grow with the masters. The columns that
+split evenly) on this machine, and the router processes run beside it: where the machine
+has fewer cores than router processes plus masters (**the 2-core VM**), clients and
+servers share the cores, so the decisions/s measured are bounded by the machine, not by
+Redis, and do not grow with the masters. The CPU columns (where present; over the measured
+window, as a share of one core) say which side ran out: a router process near 100 % makes
+the rate the clients', a master near 100 % (its whole process: scripts, parsing, network)
+the shard's. The columns that
 show what sharding buys are the Redis time per decision (all masters' script time, `INFO
 commandstats`, over the decisions: a route and its release) and the share of the run the
 busiest master spent in scripts; *Redis-bound ceiling* is masters x 1 s / Redis time per
@@ -646,11 +681,13 @@ prompts."""
 
 def cluster_text(rows: list[dict], memory: dict | None, memory_one: dict | None = None) -> str:
     """The docs/benchmarks.md section of ``--only cluster``."""
+    cpu = any("client_cpu_per_process" in r for r in rows)
     table = ["| Redis | shard groups | replicas (candidates per decision) | router processes x "
              "clients | decisions/s | route p50 (ms) | route p99 (ms) | Redis time per "
              "decision (us, all masters) | busiest master in scripts | script calls per "
-             "master | Redis-bound ceiling (decisions/s) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "master | Redis-bound ceiling (decisions/s) |"
+             + (" CPU per router process | busiest master's CPU |" if cpu else ""),
+             "|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if cpu else "")]
     for r in rows:
         what = "one Redis, no groups" if r["masters"] == 0 else f"cluster, {r['masters']} " \
             f"master{'s' if r['masters'] > 1 else ''}"
@@ -660,7 +697,9 @@ def cluster_text(rows: list[dict], memory: dict | None, memory_one: dict | None 
                      f"{r['route_p50_ms']:.2f} | {r['route_p99_ms']:.2f} | "
                      f"{r['redis_us_per_decision']:.0f} | {r['busiest_master_busy']:.0%} | "
                      f"{' / '.join(f'{c:,}' for c in r['script_calls_per_master'])} | "
-                     f"{r['redis_bound_decisions_per_s']:,.0f} |")
+                     f"{r['redis_bound_decisions_per_s']:,.0f} |"
+                     + (f" {r.get('client_cpu_per_process', 0):.0%} | "
+                        f"{r.get('busiest_master_cpu', 0):.0%} |" if cpu else ""))
     text = "\n".join(table)
     if memory:
         text += (f"\n\nRedis memory per block on the cluster ({memory['blocks']:,} blocks of "
@@ -690,6 +729,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="measured seconds per row of the cluster benchmark")
     ap.add_argument("--masters", nargs="+", type=int, default=[0, 1, 2, 3],
                     help="cluster sizes of the cluster benchmark (0: one plain Redis)")
+    ap.add_argument("--cluster-no-memory", action="store_true",
+                    help="skip the cluster benchmark's bytes per block (the same software "
+                         "gives the same bytes on any machine; it also needs --redis-url)")
     ap.add_argument("--processes", nargs="+", type=int, default=[1, 2],
                     help="ingress process counts for the 32-way concurrent run")
     ap.add_argument("--no-doc", action="store_true")
@@ -772,12 +814,15 @@ def main(argv: list[str] | None = None) -> int:
             from pathlib import Path
 
             from loadtest.redis_cluster import LocalRedisCluster
-            with LocalRedisCluster(Path(tmp) / "memory", 3) as node:
-                memory = asyncio.run(bench_memory(node.url, cluster=True,
-                                                  shard_groups=CLUSTER_GROUPS))
-            print(json.dumps(memory), flush=True)
-        memory_one = asyncio.run(bench_memory(a.redis_url))  # the same on one Redis
-        print(json.dumps(memory_one), flush=True)
+            memory = memory_one = None
+            if not a.cluster_no_memory:
+                with LocalRedisCluster(Path(tmp) / "memory", 3) as node:
+                    memory = asyncio.run(bench_memory(node.url, cluster=True,
+                                                      shard_groups=CLUSTER_GROUPS))
+                print(json.dumps(memory), flush=True)
+        if not a.cluster_no_memory:
+            memory_one = asyncio.run(bench_memory(a.redis_url))  # the same on one Redis
+            print(json.dumps(memory_one), flush=True)
         (RESULTS / f"cluster-bench-{stamp}.json").write_text(
             json.dumps({"rows": rows, "memory": memory, "memory_one_redis": memory_one},
                        indent=1))
