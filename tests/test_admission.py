@@ -183,8 +183,9 @@ async def test_sustained_overload_is_refused_on_arrival_not_after_the_timeout():
     load = MemoryLoadTracker()
     await _full(load)
     adm = Admission(load, 2, timeout_s=1.0)
-    adm._free_gaps.extend([0.1] * 4)  # the queue got a slot every 0.1 s
-    assert adm.drain_rate() == pytest.approx(10.0)
+    for i in range(20):  # slots handed out at about 10 per second (more than arrive now)
+        adm._grants.append(time.monotonic() - 2.0 + 0.1 * i)
+    assert 5 < adm.drain_rate() < 20
     waiting = [asyncio.create_task(adm.admit(f"w{i}", lambda: REPLICAS, 5)) for i in range(12)]
     await asyncio.sleep(0.01)
     t0 = time.monotonic()
@@ -201,52 +202,32 @@ async def test_sustained_overload_is_refused_on_arrival_not_after_the_timeout():
     await asyncio.gather(*waiting, return_exceptions=True)
 
 
-async def test_a_waiting_request_that_can_no_longer_make_it_is_refused_before_its_deadline():
-    """Let in on the drain rate, a request learns its 429 as soon as the time it has left no
-    longer covers the slots it still needs (none freed since it came), not when its timeout
-    runs out; the head, still within reach, waits and gets the next slot."""
+async def test_arrivals_that_find_no_slot_faster_than_slots_free_get_the_short_timeout():
+    """Sustained overload without a standing queue (under 2 x capacity the queue empties
+    between arrivals): once more arrivals found every slot taken, over the last window,
+    than slots were handed out, a request that finds no slot gets its 429 after
+    overloaded_timeout_s; while they are fewer (a burst under capacity), it waits the long
+    timeout."""
     load = MemoryLoadTracker()
     await _full(load)
-    adm = Admission(load, 2, timeout_s=1.0)
-    adm._free_gaps.extend([0.1] * 4)  # the queue got a slot every 0.1 s
+    adm = Admission(load, 2, timeout_s=0.3, overloaded_timeout_s=0.02)
+    now = time.monotonic()
+    adm._grants.extend([now - 0.8 + 0.1 * i for i in range(8)])  # 8 slots, 10 per second
+    adm._blocked.extend([now - 0.5] * 7)  # 7 arrivals found no slot: fewer
+    assert not adm.sustained_overload()
     t0 = time.monotonic()
-    tasks = [asyncio.create_task(adm.admit(f"w{i}", lambda: REPLICAS)) for i in range(5)]
-    await asyncio.sleep(0.01)
-    assert adm.waiting == 5  # each fitted on arrival: at most 5 slots x 0.1 s = 0.5 s
+    with pytest.raises(OpenAIError):  # the 8th: 8 <= 8, it waits its whole timeout
+        await adm.admit("burst", lambda: REPLICAS)
+    assert time.monotonic() - t0 >= 0.25
+    adm._blocked.append(time.monotonic())  # the 9th; the next is the 10th: 10 > 8
+    t0 = time.monotonic()
     with pytest.raises(OpenAIError) as err:
-        await asyncio.wait_for(tasks[4], 1.0)
-    # the last needs 0.5 s of slots and has 1 - t left: refused at t = 0.5 s, not at 1 s
-    assert err.value.status == 429 and time.monotonic() - t0 < 0.7
-    await asyncio.sleep(max(0.0, 0.75 - (time.monotonic() - t0)))
-    assert not tasks[0].done()  # the head needs 0.1 s: within reach until t = 0.9 s
-    await _free_one(load, adm, "a0")
-    await asyncio.wait_for(tasks[0], 1.0)
-    for t in tasks[1:]:
-        t.cancel()
-    await asyncio.gather(*tasks[1:], return_exceptions=True)
-
-
-async def test_the_drain_rate_counts_only_the_time_the_queue_waited_for_its_slots():
-    """Slots handed out at once (the fleet not full) say how fast requests come, not how
-    fast slots free up: only the queue's own waits for a slot make the rate."""
-    load = MemoryLoadTracker()
-    adm = Admission(load, 2, timeout_s=5.0)
-    for i in range(3):  # room for each: handed out at once, nothing measured
-        assert await adm.admit(f"x{i}", lambda: REPLICAS) == 0.0
-        adm.reserved(f"x{i}")
-    assert adm.drain_rate() is None
-    await _full(load)
-    holder = "a0"
-    for i in range(4):  # each waits about 0.05 s for the slot freed next
-        task = asyncio.create_task(adm.admit(f"w{i}", lambda: REPLICAS))
-        await asyncio.sleep(0.05)
-        await _free_one(load, adm, holder)
-        await asyncio.wait_for(task, 1.0)
-        await load.reserve(f"w{i}", "a", 10)
-        adm.reserved(f"w{i}")
-        holder = f"w{i}"
-    rate = adm.drain_rate()
-    assert rate is not None and 8 < rate < 20, rate  # 1 / (about 0.05 s)
+        await adm.admit("overload", lambda: REPLICAS)
+    assert time.monotonic() - t0 < 0.15 and err.value.status == 429
+    assert adm.sustained_overload()
+    adm._blocked.clear()  # old enough: out of the window
+    adm._blocked.append(time.monotonic() - adm.RATE_WINDOW_S - 1)
+    assert not adm.sustained_overload() and not adm._blocked
 
 
 async def test_a_standing_queue_refuses_newcomers_after_the_short_timeout():

@@ -7,22 +7,30 @@ this ingress's queue, ordered by priority (lower first, as vLLM's ``priority`` f
 by arrival, for at most ``Settings.queue_timeout_s``. Past that it is refused with a 429 and a
 ``Retry-After`` header, so a client under overload learns it in a bounded time and backs off
 (OpenAI answers rate limits and overload the same way). A request that cannot be admitted
-in time is refused at once: the queue drains at a measured rate (the slots the fleet freed
-for it while it waited: ``drain_rate``), so a request with ``k`` requests ahead of it would
-wait about ``(k + 1) / rate``; past ``queue_timeout_s`` it gets its 429 on arrival, not after waiting for it.
-Bursts within the fleet's capacity wait; sustained overload is refused fast. And a queue
-that has not been empty for ``queue_timeout_s`` is a standing queue, not a burst: a request
-that joins it may wait only ``overloaded_timeout_s`` (5 ms by default) before its 429. This is
-the controlled-delay rule of Facebook's servers (B. Maurer, "Fail at Scale", ACM Queue
-13(8), 2015: "if the queue has not been empty for the last N ms, then the amount of time
-spent in the queue is limited to M ms", with N = 100 ms and M = 5 ms there), itself after
-CoDel (Nichols and Jacobson, RFC 8289). Under sustained overload the refusals thus come in
-a few milliseconds, where a request the drain-rate estimate let in would otherwise wait the
-whole ``queue_timeout_s`` before its 429. The same estimate is made again at every look
-of the queue for each request still waiting: one whose remaining time no longer covers
-``(k + 1) / rate`` (``k`` requests ahead of it now) is refused then, not at its deadline, so
-a request let in on an estimate that has since turned against it learns it as soon as the
-queue's own figures say so. Only the head
+in time is refused at once: the queue drains at a measured rate (the slots handed out in
+the last seconds), so a request with ``k`` requests ahead of it would wait about
+``k / rate``; past ``queue_timeout_s`` it gets its 429 on arrival, not after waiting for it.
+Bursts within the fleet's capacity wait; sustained overload is refused fast, in two ways
+that both give a request that finds every slot taken only ``overloaded_timeout_s`` (5 ms by
+default) before its 429:
+
+* a queue that has not been empty for ``queue_timeout_s`` is a standing queue, not a burst.
+  This is the controlled-delay rule of Facebook's servers (B. Maurer, "Fail at Scale", ACM
+  Queue 13(8), 2015: "if the queue has not been empty for the last N ms, then the amount of
+  time spent in the queue is limited to M ms", with N = 100 ms and M = 5 ms there), itself
+  after CoDel (Nichols and Jacobson, RFC 8289);
+* more requests found every slot taken over the last ``RATE_WINDOW_S`` than slots were
+  handed out: requests that must wait arrive faster than slots free up, so a queue of them
+  cannot be stable (a queue's arrival rate above its service rate, Kleinrock, Queueing
+  Systems I, 1975), and most of them would wait their whole ``queue_timeout_s`` for a 429.
+  Under twice the fleet's capacity the queue empties often between arrivals (a slot frees,
+  nobody waits), so the standing-queue rule rarely fires there, while this one does at once;
+  under the fleet's capacity the requests that find no slot are a small share of arrivals
+  (a burst, a moment at the bound) and still wait the long timeout.
+
+Under sustained overload the refusals thus come in a few milliseconds, where a request the
+drain-rate estimate let in would otherwise wait the whole ``queue_timeout_s`` before its
+429. Only the head
 of the queue looks at the load. It looks again every ``poll_s`` and at once when this process releases a request,
 so the queue drains as fast as the fleet frees slots.
 
@@ -86,8 +94,7 @@ class Admission:
         self._last_empty = time.monotonic()  # when the queue was last seen empty
         self.retry_after_s = retry_after_s
         self.poll_s = poll_s
-        # (priority, seq, turn, request id, deadline in time.monotonic()), a heap
-        self._queue: list[tuple] = []
+        self._queue: list[tuple] = []  # (priority, seq, turn, request id), a heap
         self._seq = itertools.count()
         # admitted here: request id -> when it reserved (None: not yet). A request that
         # reserved after a load read began may be missing from that read, so it is kept
@@ -97,29 +104,36 @@ class Admission:
         self._pending_lock = threading.Lock()  # reserved() comes from the Ray router's loop too
         self._wake: asyncio.Event | None = None
         self._head_task: asyncio.Task | None = None
-        # how long the queue waited for each of its last slots (s), counted while it held a
-        # request: since it filled, or since its previous slot
-        self._free_gaps: deque[float] = deque(maxlen=self.RATE_SAMPLES)
-        self._saturated_since: float | None = None
+        # within the last RATE_WINDOW_S (older times are dropped as they are read): when
+        # slots were handed out, and when arrivals found every slot taken
+        self._grants: deque[float] = deque()
+        self._blocked: deque[float] = deque()
 
-    RATE_SAMPLES = 32
+    RATE_WINDOW_S = 10.0
 
     def drain_rate(self, now: float | None = None) -> float | None:
-        """Slots the fleet frees for this queue per second while it waits (1/s): the
-        inverse of the mean time the queue waited for each of its last ``RATE_SAMPLES``
-        slots, counted only while it held a request. Slots handed out at once, with nobody
-        waiting, are not counted: their rate is the rate requests came, which under the
-        fleet's capacity says nothing of how fast slots free up once it is full (at 0.8 x
-        capacity it is 0.8 x the free rate, and a queue that formed would have been judged
-        by it too slow). None before 4 such waits: then every request may wait."""
-        if len(self._free_gaps) < 4:
+        """Slots handed out per second over the last ``RATE_WINDOW_S`` (s; at once or from
+        the queue: while every slot is taken, the rate slots free up), or None before 4
+        were (then every request may wait)."""
+        now = time.monotonic() if now is None else now
+        recent = self._recent(self._grants, now)
+        if len(recent) < 4:
             return None
-        return len(self._free_gaps) / max(sum(self._free_gaps), 1e-6)
+        return len(recent) / max(now - recent[0], 1e-3)
 
-    def _emptied(self, now: float) -> None:
-        """The queue holds no live request (from ``now``)."""
-        self._last_empty = now
-        self._saturated_since = None
+    def _recent(self, times: deque[float], now: float) -> deque[float]:
+        """``times`` without those older than ``RATE_WINDOW_S``."""
+        while times and now - times[0] > self.RATE_WINDOW_S:
+            times.popleft()
+        return times
+
+    def sustained_overload(self, now: float | None = None) -> bool:
+        """Whether more arrivals found every slot taken, over the last ``RATE_WINDOW_S``,
+        than slots were handed out (at once or from the queue): the requests that must wait
+        come faster than slots free up. False before 4 slots were handed out."""
+        now = time.monotonic() if now is None else now
+        granted = len(self._recent(self._grants, now))
+        return granted >= 4 and len(self._recent(self._blocked, now)) > granted
 
     @property
     def waiting(self) -> int:
@@ -185,11 +199,13 @@ class Admission:
         if self.bound is None:
             return 0.0
         if not self._queue:
-            self._emptied(time.monotonic())
+            self._last_empty = time.monotonic()
         if not self._queue and await self._room(replicas()) > 0 and not self._queue:
             self._take(request_id)
+            self._grants.append(time.monotonic())
             return 0.0
-        standing = not self._queue_empty_within(self.timeout_s)
+        self._blocked.append(time.monotonic())
+        standing = not self._queue_empty_within(self.timeout_s) or self.sustained_overload()
         timeout = self.overloaded_timeout_s if standing else self.timeout_s
         rate = self.drain_rate()
         ahead = sum(1 for e in self._queue if e[0] <= priority and not e[2].done())
@@ -198,20 +214,14 @@ class Admission:
             raise overloaded(self.timeout_s, self.retry_after_s)  # it would time out anyway
         loop = asyncio.get_running_loop()
         turn: asyncio.Future = loop.create_future()
-        entry = (priority, next(self._seq), turn, request_id, t0 + timeout)
+        entry = (priority, next(self._seq), turn, request_id)
         heapq.heappush(self._queue, entry)
-        if self._saturated_since is None:
-            self._saturated_since = time.monotonic()
         metrics.get("admission_waiting").set(len(self._queue))
         if self._head_task is None or self._head_task.done():
             self._head_task = loop.create_task(self._serve_queue(replicas))
         try:
             async with asyncio.timeout(timeout):  # not wait_for: see RedisConnections.client
-                granted = await asyncio.shield(turn)
-            if not granted:  # the queue's look found it could no longer make it in time
-                self._drop(entry)
-                metrics.inc("admission_refused", tags={"reason": "overloaded"})
-                raise overloaded(timeout, self.retry_after_s)
+                await asyncio.shield(turn)
         except TimeoutError:
             if turn.done() and not turn.cancelled():  # admitted at the last moment
                 return time.monotonic() - t0
@@ -227,28 +237,10 @@ class Admission:
         metrics.get("admission_wait").observe(waited)
         return waited
 
-    def _refuse_the_late(self) -> None:
-        """Refuse now (their ``admit`` raises the 429) the waiting requests that the drain
-        rate says will not get a slot before their deadline: with ``k`` requests ahead,
-        the ``(k + 1)``-th slot to free comes in about ``(k + 1) / rate`` seconds. Nothing
-        is refused before the rate is measured (``drain_rate`` is None)."""
-        now = time.monotonic()
-        rate = self.drain_rate(now)
-        if rate is None:
-            return
-        k = 0
-        for entry in sorted(e for e in self._queue if not e[2].done()):
-            if (k + 1) / rate > entry[4] - now:
-                entry[2].set_result(False)
-            else:
-                k += 1
-        if not any(not e[2].done() for e in self._queue):
-            self._emptied(now)
-
     def _queue_empty_within(self, window_s: float) -> bool:
         """Whether the queue was empty at some moment of the last ``window_s`` (s)."""
         if not any(not e[2].done() for e in self._queue):
-            self._emptied(time.monotonic())
+            self._last_empty = time.monotonic()
         return time.monotonic() - self._last_empty <= window_s
 
     def _drop(self, entry) -> None:
@@ -257,8 +249,8 @@ class Admission:
             heapq.heapify(self._queue)
         except ValueError:
             pass
-        if not any(not e[2].done() for e in self._queue):
-            self._emptied(time.monotonic())
+        if not self._queue:
+            self._last_empty = time.monotonic()
         if not entry[2].done():
             entry[2].cancel()
         metrics.get("admission_waiting").set(len(self._queue))
@@ -271,7 +263,7 @@ class Admission:
             if head[2].done():  # timed out or left
                 heapq.heappop(self._queue)
                 if not self._queue:
-                    self._emptied(time.monotonic())
+                    self._last_empty = time.monotonic()
                 continue
             try:
                 room = await self._room(replicas())
@@ -281,19 +273,15 @@ class Admission:
                     heapq.heappop(self._queue)
                     self._take(head[3])
                     head[2].set_result(True)
-                    now = time.monotonic()
-                    if self._saturated_since is not None:
-                        self._free_gaps.append(now - self._saturated_since)
-                    self._saturated_since = now
-                    if not any(not e[2].done() for e in self._queue):
-                        self._emptied(now)
+                    self._grants.append(time.monotonic())
+                    if not self._queue:
+                        self._last_empty = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - the load tracker falls back itself
                 logger.warning("admission could not read the load: %s", exc)
                 room = 0
             if room > 0:
                 metrics.get("admission_waiting").set(len(self._queue))
                 continue
-            self._refuse_the_late()
             self._wake.clear()
             try:
                 async with asyncio.timeout(self.poll_s):
