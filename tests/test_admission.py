@@ -183,8 +183,8 @@ async def test_sustained_overload_is_refused_on_arrival_not_after_the_timeout():
     load = MemoryLoadTracker()
     await _full(load)
     adm = Admission(load, 2, timeout_s=1.0)
-    for i in range(20):  # slots handed out at about 10 per second (more than arrive now)
-        adm._grants.append(time.monotonic() - 2.0 + 0.1 * i)
+    for i in range(4):  # slots handed out at about 10 per second
+        adm._grants.append(time.monotonic() - 0.4 + 0.1 * i)
     assert 5 < adm.drain_rate() < 20
     waiting = [asyncio.create_task(adm.admit(f"w{i}", lambda: REPLICAS, 5)) for i in range(12)]
     await asyncio.sleep(0.01)
@@ -200,34 +200,6 @@ async def test_sustained_overload_is_refused_on_arrival_not_after_the_timeout():
     for t in waiting:
         t.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
-
-
-async def test_arrivals_that_find_no_slot_faster_than_slots_free_get_the_short_timeout():
-    """Sustained overload without a standing queue (under 2 x capacity the queue empties
-    between arrivals): once more arrivals found every slot taken, over the last window,
-    than slots were handed out, a request that finds no slot gets its 429 after
-    overloaded_timeout_s; while they are fewer (a burst under capacity), it waits the long
-    timeout."""
-    load = MemoryLoadTracker()
-    await _full(load)
-    adm = Admission(load, 2, timeout_s=0.3, overloaded_timeout_s=0.02)
-    now = time.monotonic()
-    adm._grants.extend([now - 0.8 + 0.1 * i for i in range(8)])  # 8 slots, 10 per second
-    adm._blocked.extend([now - 0.5] * 7)  # 7 arrivals found no slot: fewer
-    assert not adm.sustained_overload()
-    t0 = time.monotonic()
-    with pytest.raises(OpenAIError):  # the 8th: 8 <= 8, it waits its whole timeout
-        await adm.admit("burst", lambda: REPLICAS)
-    assert time.monotonic() - t0 >= 0.25
-    adm._blocked.append(time.monotonic())  # the 9th; the next is the 10th: 10 > 8
-    t0 = time.monotonic()
-    with pytest.raises(OpenAIError) as err:
-        await adm.admit("overload", lambda: REPLICAS)
-    assert time.monotonic() - t0 < 0.15 and err.value.status == 429
-    assert adm.sustained_overload()
-    adm._blocked.clear()  # old enough: out of the window
-    adm._blocked.append(time.monotonic() - adm.RATE_WINDOW_S - 1)
-    assert not adm.sustained_overload() and not adm._blocked
 
 
 async def test_a_standing_queue_refuses_newcomers_after_the_short_timeout():

@@ -10,27 +10,15 @@ by arrival, for at most ``Settings.queue_timeout_s``. Past that it is refused wi
 in time is refused at once: the queue drains at a measured rate (the slots handed out in
 the last seconds), so a request with ``k`` requests ahead of it would wait about
 ``k / rate``; past ``queue_timeout_s`` it gets its 429 on arrival, not after waiting for it.
-Bursts within the fleet's capacity wait; sustained overload is refused fast, in two ways
-that both give a request that finds every slot taken only ``overloaded_timeout_s`` (5 ms by
-default) before its 429:
-
-* a queue that has not been empty for ``queue_timeout_s`` is a standing queue, not a burst.
-  This is the controlled-delay rule of Facebook's servers (B. Maurer, "Fail at Scale", ACM
-  Queue 13(8), 2015: "if the queue has not been empty for the last N ms, then the amount of
-  time spent in the queue is limited to M ms", with N = 100 ms and M = 5 ms there), itself
-  after CoDel (Nichols and Jacobson, RFC 8289);
-* more requests found every slot taken over the last ``RATE_WINDOW_S`` than slots were
-  handed out: requests that must wait arrive faster than slots free up, so a queue of them
-  cannot be stable (a queue's arrival rate above its service rate, Kleinrock, Queueing
-  Systems I, 1975), and most of them would wait their whole ``queue_timeout_s`` for a 429.
-  Under twice the fleet's capacity the queue empties often between arrivals (a slot frees,
-  nobody waits), so the standing-queue rule rarely fires there, while this one does at once;
-  under the fleet's capacity the requests that find no slot are a small share of arrivals
-  (a burst, a moment at the bound) and still wait the long timeout.
-
-Under sustained overload the refusals thus come in a few milliseconds, where a request the
-drain-rate estimate let in would otherwise wait the whole ``queue_timeout_s`` before its
-429. Only the head
+Bursts within the fleet's capacity wait; sustained overload is refused fast. And a queue
+that has not been empty for ``queue_timeout_s`` is a standing queue, not a burst: a request
+that joins it may wait only ``overloaded_timeout_s`` (5 ms by default) before its 429. This is
+the controlled-delay rule of Facebook's servers (B. Maurer, "Fail at Scale", ACM Queue
+13(8), 2015: "if the queue has not been empty for the last N ms, then the amount of time
+spent in the queue is limited to M ms", with N = 100 ms and M = 5 ms there), itself after
+CoDel (Nichols and Jacobson, RFC 8289). Under sustained overload the refusals thus come in
+a few milliseconds, where a request the drain-rate estimate let in would otherwise wait the
+whole ``queue_timeout_s`` before its 429. Only the head
 of the queue looks at the load. It looks again every ``poll_s`` and at once when this process releases a request,
 so the queue drains as fast as the fleet frees slots.
 
@@ -104,10 +92,7 @@ class Admission:
         self._pending_lock = threading.Lock()  # reserved() comes from the Ray router's loop too
         self._wake: asyncio.Event | None = None
         self._head_task: asyncio.Task | None = None
-        # within the last RATE_WINDOW_S (older times are dropped as they are read): when
-        # slots were handed out, and when arrivals found every slot taken
-        self._grants: deque[float] = deque()
-        self._blocked: deque[float] = deque()
+        self._grants: deque[float] = deque(maxlen=256)  # when slots were handed out
 
     RATE_WINDOW_S = 10.0
 
@@ -116,24 +101,10 @@ class Admission:
         the queue: while every slot is taken, the rate slots free up), or None before 4
         were (then every request may wait)."""
         now = time.monotonic() if now is None else now
-        recent = self._recent(self._grants, now)
+        recent = [t for t in self._grants if now - t <= self.RATE_WINDOW_S]
         if len(recent) < 4:
             return None
         return len(recent) / max(now - recent[0], 1e-3)
-
-    def _recent(self, times: deque[float], now: float) -> deque[float]:
-        """``times`` without those older than ``RATE_WINDOW_S``."""
-        while times and now - times[0] > self.RATE_WINDOW_S:
-            times.popleft()
-        return times
-
-    def sustained_overload(self, now: float | None = None) -> bool:
-        """Whether more arrivals found every slot taken, over the last ``RATE_WINDOW_S``,
-        than slots were handed out (at once or from the queue): the requests that must wait
-        come faster than slots free up. False before 4 slots were handed out."""
-        now = time.monotonic() if now is None else now
-        granted = len(self._recent(self._grants, now))
-        return granted >= 4 and len(self._recent(self._blocked, now)) > granted
 
     @property
     def waiting(self) -> int:
@@ -204,8 +175,7 @@ class Admission:
             self._take(request_id)
             self._grants.append(time.monotonic())
             return 0.0
-        self._blocked.append(time.monotonic())
-        standing = not self._queue_empty_within(self.timeout_s) or self.sustained_overload()
+        standing = not self._queue_empty_within(self.timeout_s)
         timeout = self.overloaded_timeout_s if standing else self.timeout_s
         rate = self.drain_rate()
         ahead = sum(1 for e in self._queue if e[0] <= priority and not e[2].done())
