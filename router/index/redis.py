@@ -113,6 +113,18 @@ class RedisConnections:
             await self._clients.pop(key).aclose()
 
 
+async def each_group(parts: dict[int, list[str]], one) -> list[tuple[list[str], Any]]:
+    """``await one(group, replicas)`` for each shard group of ``parts`` (group -> its
+    replicas, ``ShardGroups.split``), the groups' calls at once; ``[(replicas, result)]`` in
+    ``parts``' order. One group (always, without groups) is awaited directly, with no task.
+    The first call's exception propagates."""
+    if len(parts) == 1:
+        ((g, reps),) = parts.items()
+        return [(reps, await one(g, reps))]
+    results = await asyncio.gather(*(one(g, reps) for g, reps in parts.items()))
+    return list(zip(parts.values(), results))
+
+
 class RedisPrefixIndex(PrefixIndex):
     """Prefix index in Redis.
 
@@ -177,13 +189,7 @@ class RedisPrefixIndex(PrefixIndex):
 
             return (await self.conn.call(run))[1:len(reps) + 1]
 
-        parts = self.groups.split(replicas)
-        if len(parts) == 1:
-            ((g, reps),) = parts.items()
-            found = [(reps, await one(g, reps))]
-        else:
-            found = list(zip(parts.values(), await asyncio.gather(
-                *(one(g, reps) for g, reps in parts.items()))))
+        found = await each_group(self.groups.split(replicas), one)
         out = {r: int(n) for reps, res in found for r, n in zip(reps, res)}
         return {r: out[r] for r in replicas}
 

@@ -38,7 +38,7 @@ from typing import Sequence
 
 from router.clock import Clock, SystemClock
 from router.index.base import IndexUnavailable
-from router.index.redis import RedisConnections
+from router.index.redis import RedisConnections, each_group
 from router.load.base import LoadTracker, ReplicaLoad, Reservation
 from router.load.memory import MemoryLoadTracker
 from router.logs import get_logger
@@ -203,14 +203,8 @@ class RedisLoadTracker(LoadTracker):
             key = self.groups.keys[group].load
             return await self.conn.call(lambda c: c.hmget(key, fields))
 
-        parts = self.groups.split(replicas) if replicas else {0: []}
         try:
-            if len(parts) == 1:
-                ((g, reps),) = parts.items()
-                got = [(reps, await one(g, reps))]
-            else:
-                got = list(zip(parts.values(), await asyncio.gather(
-                    *(one(g, reps) for g, reps in parts.items()))))
+            got = await each_group(self.groups.split(replicas) if replicas else {0: []}, one)
         except IndexUnavailable:
             return self.local.loads_now(replicas)
         out = {}
