@@ -183,8 +183,8 @@ async def test_sustained_overload_is_refused_on_arrival_not_after_the_timeout():
     load = MemoryLoadTracker()
     await _full(load)
     adm = Admission(load, 2, timeout_s=1.0)
-    for i in range(4):  # slots handed out at about 10 per second
-        adm._grants.append(time.monotonic() - 0.4 + 0.1 * i)
+    for i in range(20):  # slots handed out at about 10 per second (more than arrive now)
+        adm._grants.append(time.monotonic() - 2.0 + 0.1 * i)
     assert 5 < adm.drain_rate() < 20
     waiting = [asyncio.create_task(adm.admit(f"w{i}", lambda: REPLICAS, 5)) for i in range(12)]
     await asyncio.sleep(0.01)
@@ -200,6 +200,29 @@ async def test_sustained_overload_is_refused_on_arrival_not_after_the_timeout():
     for t in waiting:
         t.cancel()
     await asyncio.gather(*waiting, return_exceptions=True)
+
+
+async def test_arrivals_well_past_the_grants_refuse_a_blocked_request_after_the_short_timeout():
+    """Offered load past OVERLOAD_RATIO x the slots handed out over the window is sustained
+    overload even when the queue empties between arrivals: a request that finds no slot
+    gets overloaded_timeout_s; with arrivals about equal to the grants it waits the long
+    timeout (a burst under capacity)."""
+    load = MemoryLoadTracker()
+    await _full(load)
+    now = time.monotonic()
+    for arrivals, short in ((20, False), (40, True)):
+        adm = Admission(load, 2, timeout_s=0.3, overloaded_timeout_s=0.02)
+        for i in range(20):  # 20 slots handed out over the last 2 s
+            adm._grants.append(now - 2.0 + 0.1 * i)
+        for i in range(arrivals - 1):  # the one below makes `arrivals`
+            adm._arrivals.append(now - 2.0 + 2.0 * i / arrivals)
+        assert adm.sustained_overload() is short  # 19 or 39 arrivals against 20 grants
+        t0 = time.monotonic()
+        with pytest.raises(OpenAIError) as err:
+            await adm.admit("blocked", lambda: REPLICAS)
+        waited = time.monotonic() - t0
+        assert err.value.status == 429
+        assert (waited < 0.15) if short else (waited >= 0.25), (arrivals, waited)
 
 
 async def test_a_standing_queue_refuses_newcomers_after_the_short_timeout():

@@ -16,9 +16,20 @@ that joins it may wait only ``overloaded_timeout_s`` (5 ms by default) before it
 the controlled-delay rule of Facebook's servers (B. Maurer, "Fail at Scale", ACM Queue
 13(8), 2015: "if the queue has not been empty for the last N ms, then the amount of time
 spent in the queue is limited to M ms", with N = 100 ms and M = 5 ms there), itself after
-CoDel (Nichols and Jacobson, RFC 8289). Under sustained overload the refusals thus come in
-a few milliseconds, where a request the drain-rate estimate let in would otherwise wait the
-whole ``queue_timeout_s`` before its 429. Only the head
+CoDel (Nichols and Jacobson, RFC 8289). Under twice the fleet's capacity, though, the queue
+empties often between arrivals (a slot frees, nobody waits), so it is rarely standing for
+``queue_timeout_s``; the same short wait therefore applies while the requests that arrived
+over the last ``RATE_WINDOW_S`` outnumber the slots handed out in it by more than
+``OVERLOAD_RATIO`` (1.5): the offered load is then well past what the fleet serves, and the
+excess is refused either way. This is the rule of Google's adaptive throttling (Site
+Reliability Engineering, O'Reilly 2016, ch. 21 "Handling Overload": requests against
+accepts over a window, rejecting locally past ``K x accepts``, K = 2 there, "reducing the
+multiplier will make adaptive throttling more aggressive"), applied at the server: arrivals
+against grants. It counts every arrival, refused or not, so it does not feed itself: under
+the fleet's capacity nearly every arrival gets its slot (ratio about 1), and fast refusals
+while it held would lower the grants by their own share only. Under sustained overload the
+refusals thus come in a few milliseconds, where a request the drain-rate estimate let in
+would otherwise wait the whole ``queue_timeout_s`` before its 429. Only the head
 of the queue looks at the load. It looks again every ``poll_s`` and at once when this process releases a request,
 so the queue drains as fast as the fleet frees slots.
 
@@ -92,19 +103,46 @@ class Admission:
         self._pending_lock = threading.Lock()  # reserved() comes from the Ray router's loop too
         self._wake: asyncio.Event | None = None
         self._head_task: asyncio.Task | None = None
-        self._grants: deque[float] = deque(maxlen=256)  # when slots were handed out
+        # within the last RATE_WINDOW_S (older ones are dropped as they are read): when
+        # slots were handed out, and when requests arrived
+        self._grants: deque[float] = deque()
+        self._arrivals: deque[float] = deque()
+        if bound is not None:  # the series exists from the start: a queue refused at once
+            metrics.get("admission_waiting").set(0)  # by its drain rate never sets it
 
     RATE_WINDOW_S = 10.0
+    OVERLOAD_RATIO = 1.5
 
     def drain_rate(self, now: float | None = None) -> float | None:
         """Slots handed out per second over the last ``RATE_WINDOW_S`` (s; at once or from
         the queue: while every slot is taken, the rate slots free up), or None before 4
         were (then every request may wait)."""
         now = time.monotonic() if now is None else now
-        recent = [t for t in self._grants if now - t <= self.RATE_WINDOW_S]
+        recent = self._recent(self._grants, now)
         if len(recent) < 4:
             return None
         return len(recent) / max(now - recent[0], 1e-3)
+
+    def _recent(self, times: deque[float], now: float) -> deque[float]:
+        """``times`` without those older than ``RATE_WINDOW_S`` (dropped in place)."""
+        while times and now - times[0] > self.RATE_WINDOW_S:
+            times.popleft()
+        return times
+
+    def _record(self, times: deque[float], now: float) -> None:
+        """Add ``now`` to ``times``, dropping those older than ``RATE_WINDOW_S``."""
+        times.append(now)
+        self._recent(times, now)
+
+    def sustained_overload(self, now: float | None = None) -> bool:
+        """Whether the requests that arrived over the last ``RATE_WINDOW_S`` outnumber the
+        slots handed out in it (at once or from the queue) by more than ``OVERLOAD_RATIO``:
+        offered load past 1.5 x what the fleet serves (the module's adaptive-throttling
+        rule). False before 4 slots were handed out."""
+        now = time.monotonic() if now is None else now
+        granted = len(self._recent(self._grants, now))
+        return granted >= 4 and len(self._recent(self._arrivals, now)) > \
+            self.OVERLOAD_RATIO * granted
 
     @property
     def waiting(self) -> int:
@@ -169,13 +207,14 @@ class Admission:
         t0 = time.monotonic()
         if self.bound is None:
             return 0.0
+        self._record(self._arrivals, t0)
         if not self._queue:
             self._last_empty = time.monotonic()
         if not self._queue and await self._room(replicas()) > 0 and not self._queue:
             self._take(request_id)
-            self._grants.append(time.monotonic())
+            self._record(self._grants, time.monotonic())
             return 0.0
-        standing = not self._queue_empty_within(self.timeout_s)
+        standing = not self._queue_empty_within(self.timeout_s) or self.sustained_overload()
         timeout = self.overloaded_timeout_s if standing else self.timeout_s
         rate = self.drain_rate()
         ahead = sum(1 for e in self._queue if e[0] <= priority and not e[2].done())
@@ -243,7 +282,7 @@ class Admission:
                     heapq.heappop(self._queue)
                     self._take(head[3])
                     head[2].set_result(True)
-                    self._grants.append(time.monotonic())
+                    self._record(self._grants, time.monotonic())
                     if not self._queue:
                         self._last_empty = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - the load tracker falls back itself

@@ -136,10 +136,13 @@ class IngressCore:
         has dispatched to: Ray's exporter drops a gauge that has not been set for a while,
         so one set only on change vanished from ``/metrics`` during long requests. A replica
         that left the deployment is set to 0 once and forgotten. ``router_replica_hash_mismatch``
-        is set for every replica known now, the same way."""
+        is set for every replica known now, and ``router_admission_waiting`` (with a bound),
+        the same way."""
         gauge, mismatch = metrics.get("inflight"), metrics.get("hash_mismatch")
         while True:
             await asyncio.sleep(period_s)
+            if self.admission.bound is not None:
+                metrics.get("admission_waiting").set(self.admission.waiting)
             for info in state.replica_infos() or ():  # set again, as router_inflight
                 mismatch.set(1 if hash_mismatches(self.settings.hash_settings, info.metadata)
                              else 0, tags={"replica": info.replica_id})
