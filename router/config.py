@@ -367,12 +367,13 @@ class Settings(BaseSettings):
     overloaded_queue_timeout_s: float = Field(
         0.005, gt=0, description="Longest wait (s) of a request that joins an admission queue "
                                  "that has not been empty for queue_timeout_s (a standing "
-                                 "queue: sustained overload, not a burst), or that finds no "
-                                 "slot while the last 10 s brought over 1.5 x more arrivals "
-                                 "than slots handed out, so that its 429 comes at once. The "
-                                 "controlled-delay rule of B. Maurer, 'Fail at Scale', ACM "
-                                 "Queue 2015 (5 ms there), and Google's adaptive throttling "
-                                 "(SRE book ch. 21).")
+                                 "queue: sustained overload, not a burst), so that its 429 "
+                                 "comes at once. The controlled-delay rule of B. Maurer, "
+                                 "'Fail at Scale', ACM Queue 2015 (5 ms there). While the "
+                                 "last 10 s brought over 1.5 x more arrivals than slots "
+                                 "handed out, a request that finds no slot is refused "
+                                 "without waiting (Google's adaptive throttling, SRE book "
+                                 "ch. 21).")
     sse_keepalive_s: Optional[float] = Field(
         15.0, gt=0, description="A streaming request that has no answer to send yet after "
                                 "this long (waiting in the admission queue, or for its "
