@@ -165,8 +165,11 @@ def _make() -> dict[str, Any]:
                                    "Requests waiting in the ingress's admission queue (every "
                                    "replica at max_inflight_per_replica)."),
         "admission_refused": Counter("router_admission_refused_total",
-                                     "Requests refused with a 429: overloaded (no slot within "
-                                     "queue_timeout_s).", tag_keys=("reason",)),
+                                     "Requests refused with a 429, by reason: overloaded (no "
+                                     "slot within queue_timeout_s, or none expected in it), "
+                                     "standing_queue, sustained_overload (router.serve."
+                                     "admission), rate_limit_requests, rate_limit_tokens.",
+                                     tag_keys=("reason",)),
         "admission_wait": Histogram("router_admission_wait_seconds",
                                     "Time admitted requests waited in the admission queue.",
                                     boundaries=TTFT_BOUNDARIES_S),

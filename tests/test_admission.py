@@ -202,7 +202,7 @@ async def test_sustained_overload_is_refused_on_arrival_not_after_the_timeout():
     await asyncio.gather(*waiting, return_exceptions=True)
 
 
-async def test_arrivals_well_past_the_grants_refuse_a_blocked_request_after_the_short_timeout():
+async def test_arrivals_well_past_the_grants_refuse_a_blocked_request_at_once():
     """Offered load past OVERLOAD_RATIO x the slots handed out over the window is sustained
     overload even when the queue empties between arrivals: a request that finds no slot
     is refused at once; with arrivals about equal to the grants it waits the long timeout (a
@@ -221,7 +221,8 @@ async def test_arrivals_well_past_the_grants_refuse_a_blocked_request_after_the_
         with pytest.raises(OpenAIError) as err:
             await adm.admit("blocked", lambda: REPLICAS)
         waited = time.monotonic() - t0
-        assert err.value.status == 429
+        assert err.value.status == 429 and err.value.headers["retry-after"] == "1"
+        assert ("arrive much faster" in err.value.message) is short, err.value.message
         assert (waited < 0.1) if short else (waited >= 0.25), (arrivals, waited)
 
 

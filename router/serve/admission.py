@@ -23,8 +23,9 @@ waiting at all, while the requests that arrived over the last ``RATE_WINDOW_S`` 
 slots handed out in it by more than ``OVERLOAD_RATIO`` (1.5): the offered load is then well
 past what the fleet serves, and the excess is refused either way (a few milliseconds of
 waiting would catch a freed slot rarely, at 8 slots/s 4 % of the time in 5 ms, and on a busy
-event loop cost far more than 5 ms: measured, 429 p50 41 ms against 15 ms). This is the rule of Google's adaptive throttling (Site
-Reliability Engineering, O'Reilly 2016, ch. 21 "Handling Overload": requests against
+event loop cost far more than 5 ms: measured, 429 p50 41 ms against 26 ms without it). This
+is the rule of Google's adaptive throttling (Site Reliability Engineering, O'Reilly 2016,
+ch. 21 "Handling Overload": requests against
 accepts over a window, rejecting locally past ``K x accepts``, K = 2 there, "reducing the
 multiplier will make adaptive throttling more aggressive"), applied at the server: arrivals
 against grants. It counts every arrival, refused or not, so it does not feed itself: under
@@ -63,11 +64,13 @@ from router.serve.errors import OpenAIError
 logger = get_logger(__name__)
 
 
-def overloaded(timeout_s: float, retry_after_s: int) -> OpenAIError:
-    """The 429 of a request that found every replica at its bound for ``timeout_s``."""
+def overloaded(timeout_s: float | None, retry_after_s: int) -> OpenAIError:
+    """The 429 of a request that found every replica at its bound for ``timeout_s``, or
+    (``timeout_s`` None) at once under sustained overload."""
+    why = (f"none freed a slot within {timeout_s:g} s" if timeout_s is not None else
+           "requests arrive much faster than slots free up")
     return OpenAIError(429, f"every engine replica is at its bound of requests in flight and "
-                            f"none freed a slot within {timeout_s:g} s; retry after "
-                            f"{retry_after_s} s", "RateLimitError",
+                            f"{why}; retry after {retry_after_s} s", "RateLimitError",
                        headers={"retry-after": str(retry_after_s)})
 
 
@@ -205,7 +208,8 @@ class Admission:
             priority: lower goes first (vLLM's convention); ties by arrival.
         Raises:
             OpenAIError: 429 with ``Retry-After`` after ``timeout_s`` without a slot, or at
-                once when the queue's drain rate says it would not get one in time.
+                once when the queue's drain rate says it would not get one in time or
+                under sustained overload (``sustained_overload``).
         """
         t0 = time.monotonic()
         if self.bound is None:
@@ -218,8 +222,8 @@ class Admission:
             self._record(self._grants, time.monotonic())
             return 0.0
         if self.sustained_overload():  # the excess is refused either way: at once
-            metrics.inc("admission_refused", tags={"reason": "standing_queue"})
-            raise overloaded(0, self.retry_after_s)
+            metrics.inc("admission_refused", tags={"reason": "sustained_overload"})
+            raise overloaded(None, self.retry_after_s)
         standing = not self._queue_empty_within(self.timeout_s)
         timeout = self.overloaded_timeout_s if standing else self.timeout_s
         rate = self.drain_rate()
