@@ -123,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--low-minutes", type=float, default=2.0)
     ap.add_argument("--high", type=float, default=2.0)
     ap.add_argument("--high-minutes", type=float, default=10.0)
+    ap.add_argument("--engine-num-blocks", type=int, default=None,
+                    help="KV capacity of each simulated engine in blocks (its --num-blocks; "
+                         "default the engine's 32,768): a small one fills within the first "
+                         "minutes, so the index's size reaches its steady state in the run")
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     ap.add_argument("--doc", action="store_true")
     a = ap.parse_args(argv)
@@ -131,7 +135,9 @@ def main(argv: list[str] | None = None) -> int:
     url = start_service(a.replicas, a.redis_url, engine="sim", replica_num_cpus=0.1,
                         ingress_num_cpus=0.1, max_inflight_per_replica=a.bound,
                         queue_timeout_s=a.queue_timeout_s,
-                        extra_engine_args=["--step-model", f"{a.step_s},0,0,0"])
+                        extra_engine_args=["--step-model", f"{a.step_s},0,0,0"] + (
+                            ["--num-blocks", str(a.engine_num_blocks)]
+                            if a.engine_num_blocks else []))
     rows, memory = [], []
     try:
         body = {"model": "tiny-qwen2", "max_tokens": a.answer_tokens, "ignore_eos": True,
@@ -201,7 +207,8 @@ def main(argv: list[str] | None = None) -> int:
         title = f"Overload: fast refusals instead of queues (bound {a.bound}, " \
             f"queue_timeout_s {a.queue_timeout_s:g})" if a.high > 1 else \
             f"Soak at {a.high:g} x capacity for {a.high_minutes:g} minutes (bound {a.bound}, " \
-            f"queue_timeout_s {a.queue_timeout_s:g})"
+            f"queue_timeout_s {a.queue_timeout_s:g}" + (
+                f", {a.engine_num_blocks} KV blocks per engine)" if a.engine_num_blocks else ")")
         write_benchmark_doc(title,
                             "python -m loadtest.overload " + " ".join(argv or sys.argv[1:]),
                             table, notes)
