@@ -25,10 +25,9 @@ past what the fleet serves, and the excess is refused either way (a few millisec
 waiting would catch a freed slot rarely, at 8 slots/s 4 % of the time in 5 ms, and on a busy
 event loop cost far more than 5 ms: measured, 429 p50 41 ms against 26 ms without it). This
 is the rule of Google's adaptive throttling (Site Reliability Engineering, O'Reilly 2016,
-ch. 21 "Handling Overload": requests against
-accepts over a window, rejecting locally past ``K x accepts``, K = 2 there, "reducing the
-multiplier will make adaptive throttling more aggressive"), applied at the server: arrivals
-against grants. It counts every arrival, refused or not, so it does not feed itself: under
+ch. 21 "Handling Overload": requests against accepts over a window, rejecting locally past
+``K x accepts``, K = 2 there, "reducing the multiplier will make adaptive throttling more
+aggressive"), applied at the server: arrivals against grants. It counts every arrival, refused or not, so it does not feed itself: under
 the fleet's capacity nearly every arrival gets its slot (ratio about 1), and fast refusals
 while it held would lower the grants by their own share only. Under sustained overload the
 refusals thus come in a few milliseconds, where a request the drain-rate estimate let in
