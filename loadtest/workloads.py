@@ -14,13 +14,28 @@ seed). Shapes follow their sources:
 * ``control``: unique prompts, nothing shared.
 * ``bursty``: arrival times and lengths of the Azure LLM inference 2023 code trace
   (``loadtest/data/azure-llm-2023``, CC-BY-4.0) over 20 shared repository contexts.
+* ``agentic``: tool-using agents (ReAct, Yao et al. ICLR 2023; SWE-agent, Yang et al.
+  NeurIPS 2024): each task a loop of steps whose prompt is the agent's long, fixed
+  system prompt with its tool definitions, then the whole history, every earlier action and
+  tool observation; the next step follows the previous answer after the tool runs, with no
+  human think time. Lengths calibrated to Mooncake's tool&agent trace (FAST'25, Table 2:
+  8,596 input and 182 output tokens on average, "lengthy system prompts that are fully
+  repetitive").
+* ``rag``: retrieval-augmented questions: a shared instruction, then the top ``k`` chunks a
+  retriever returned for the question, in its relevance order, then the question. Chunk
+  popularity is skewed (RAGCache, Jin et al. 2024, arXiv:2404.12457, section 3: a small
+  share of the documents takes most retrievals) and one chunk comes at a different rank
+  from one question to the next, so prefix caching reuses only up to the first chunk that
+  differs (CacheBlend, Yao et al. EuroSys 2025, section 2).
 """
 
 from __future__ import annotations
 
 import csv
 import functools
+import itertools
 import json
+import math
 import random
 from datetime import datetime
 from pathlib import Path
@@ -207,9 +222,79 @@ def bursty(n: int | None = 2000, contexts: int = 20, seed: int = 0,
     return out
 
 
+def agentic(rate_tasks: float = 3.0, tasks: int = 400, agents: int = 16,
+            system_tokens: tuple[int, int] = (2500, 6500), steps: tuple[int, int] = (2, 14),
+            output_mean: float = 182.0, observation_median: float = 400.0,
+            tool_s: tuple[float, float] = (0.5, 3.0), seed: int = 0) -> list[WorkloadRequest]:
+    """Agent tasks arriving at ``rate_tasks``/s (Poisson), ``tasks`` of them.
+
+    Each task belongs to one of ``agents`` agents (popularity ~ 1/rank), whose system prompt
+    (tool definitions) is ``system_tokens`` long (uniform in the range) and shared by all of
+    its tasks. A task runs ``steps`` steps (uniform); step ``i``'s prompt is the system
+    prompt, the task (64-512 tokens) and steps ``0..i-1``'s actions (the model's output,
+    exponential with mean ``output_mean`` tokens, 16-1024) and tool observations
+    (log-normal, median ``observation_median`` tokens, sigma 1, at most 4,096). Step ``i+1``
+    arrives after step ``i``'s expected answer time (``output`` x 10 ms) plus the tool's
+    run time (uniform ``tool_s``). With the defaults the mean prompt is about 8.6k tokens
+    and the mean output 182, Mooncake's tool&agent averages (FAST'25, Table 2).
+    """
+    rng = random.Random(seed)
+    systems = [_tokens(rng, rng.randrange(*system_tokens)) for _ in range(agents)]
+    weights = [1.0 / (k + 1) for k in range(agents)]
+    out = []
+    for task, t in enumerate(_poisson_times(tasks, rate_tasks, rng)):
+        history = systems[rng.choices(range(agents), weights)[0]] + _tokens(
+            rng, rng.randrange(64, 512))
+        new = history[-64:]
+        for _ in range(rng.randint(*steps)):
+            n_out = min(max(int(rng.expovariate(1.0 / output_mean)), 16), 1024)
+            action = _tokens(rng, n_out)
+            out.append(WorkloadRequest(t, list(history), n_out, first_user_text=_text(new),
+                                       output_plan=action, session=f"a{task}"))
+            new = _tokens(rng, min(int(rng.lognormvariate(math.log(observation_median), 1.0)),
+                                   4096) + 1)
+            history = history + action + new
+            t += n_out * 0.010 + rng.uniform(*tool_s)
+    out.sort(key=lambda r: r.arrival_s)
+    return out
+
+
+def rag(rate: float = 40.0, n: int = 3000, chunks: int = 2000, k: int = 5,
+        chunk_tokens: int = 512, instruction_tokens: int = 400, question: tuple[int, int] = (16, 96),
+        output: int = 128, zipf_s: float = 1.1, seed: int = 0) -> list[WorkloadRequest]:
+    """``n`` retrieval-augmented questions at ``rate``/s (Poisson).
+
+    Prompt: a shared instruction (``instruction_tokens``), then ``k`` distinct chunks of
+    ``chunk_tokens`` from a corpus of ``chunks``, drawn with Zipf popularity (exponent
+    ``zipf_s``: chunk ``j`` weighs ``1 / (j + 1) ** zipf_s``) and ordered by a relevance
+    score drawn per question (so a hot chunk appears at every rank), then the question
+    (uniform in ``question`` tokens); ``output`` tokens answered.
+    """
+    rng = random.Random(seed)
+    corpus = [_tokens(rng, chunk_tokens) for _ in range(chunks)]
+    instruction = _tokens(rng, instruction_tokens)
+    cum = list(itertools.accumulate(1.0 / (j + 1) ** zipf_s for j in range(chunks)))
+    out = []
+    for t in _poisson_times(n, rate, rng):
+        picked: list[int] = []
+        while len(picked) < k:
+            j = rng.choices(range(chunks), cum_weights=cum)[0]
+            if j not in picked:
+                picked.append(j)
+        # the retriever's relevance order: independent of popularity
+        rng.shuffle(picked)
+        q = _tokens(rng, rng.randint(*question))
+        toks = list(instruction)
+        for j in picked:
+            toks += corpus[j]
+        out.append(WorkloadRequest(t, toks + q, output, first_user_text=_text(q)))
+    return out
+
+
 def _ts(s: str) -> float:
     return datetime.strptime(s[:26], "%Y-%m-%d %H:%M:%S.%f").timestamp()
 
 
 WORKLOADS = {"sglang_gsp": sglang_gsp, "llmd_b2b": llmd_b2b, "multiturn": multiturn,
-             "control": control, "bursty": bursty, "mooncake": mooncake}
+             "control": control, "bursty": bursty, "mooncake": mooncake,
+             "agentic": agentic, "rag": rag}
