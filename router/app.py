@@ -135,7 +135,8 @@ class Ingress:
                                                                self.settings.session_header))
         except OpenAIError as exc:
             metrics.inc("requests", 1, tags={"route": route, "status": str(exc.status)})
-            return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+            return JSONResponse(exc.body(), status_code=exc.status,
+                                headers=exc.response_headers(time.perf_counter() - t0))
         except (ClientDisconnect, TaskCancelledError, asyncio.CancelledError) as exc:
             # the client left (while sending its body, or before the answer started):
             # counted as nginx's 499 "client closed request", not as a router error. Serve

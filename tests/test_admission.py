@@ -251,3 +251,12 @@ async def test_a_standing_queue_refuses_newcomers_after_the_short_timeout():
     with pytest.raises(OpenAIError):  # drained: a new burst waits the long timeout
         await adm.admit("again", lambda: REPLICAS)
     assert time.monotonic() - t0 >= 0.25
+
+
+def test_an_error_answer_carries_the_routers_own_time():
+    """A 429's Server-Timing entry: what the overload benchmark splits a slow refusal by."""
+    from router.serve.admission import overloaded
+    err = overloaded(None, 2)
+    headers = err.response_headers(0.0123)
+    assert headers["retry-after"] == "2" and headers["server-timing"] == "router;dur=12.300"
+    assert "server-timing" not in err.response_headers()

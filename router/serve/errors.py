@@ -34,6 +34,16 @@ class OpenAIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.status}}
 
+    def response_headers(self, router_s: float | None = None) -> dict[str, str]:
+        """The error's headers, with the router's own time from the request's arrival to
+        this answer as a W3C ``Server-Timing`` entry (``router;dur=<ms>``) when
+        ``router_s`` (s) is given: a client can then tell the router's part of a slow 429
+        from the time it spent on the way (its own CPU, the connection, the event loop's
+        backlog before the handler ran)."""
+        if router_s is None:
+            return dict(self.headers)
+        return {**self.headers, "server-timing": f"router;dur={router_s * 1e3:.3f}"}
+
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
     return OpenAIError(400, message, "BadRequestError", param)
