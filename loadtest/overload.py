@@ -8,9 +8,9 @@ replicas x bound / that time (requests/s). Then locust's ``PacedChatUser`` offer
 ``--low`` x capacity for ``--low-minutes`` and ``--high`` x capacity for ``--high-minutes``.
 Reported per phase: the statuses (every request must end in a 200 or a 429, no 5xx), the p99
 time of a 429 as the client sees it and the router's own part of it (the 429's
-``Server-Timing``, from the handler's start to the answer), the TTFT percentiles of the admitted requests, and, sampled every 10 s, the
-resident memory of the ingress process and Redis's ``used_memory`` (flat: within 10 %
-between minute 2 and the end)::
+``Server-Timing``, from the handler's start to the answer), the TTFT percentiles of the
+admitted requests, and, sampled every 10 s, the resident memory of the ingress process and
+Redis's ``used_memory`` (flat: within 10 % between minute 2 and the end)::
 
     python -m loadtest.overload [--high 2 --high-minutes 10 --low 0.8 --low-minutes 2] [--doc]
     python -m loadtest.overload --high 0.9 --high-minutes 30 --doc   # the soak below capacity

@@ -18,7 +18,8 @@ On a many-core machine without this project's environment (only a Python), the s
 needs its few dependencies beside the checkout, for example for Python 3.12::
 
     pip install --target .simdeps --python-version 3.12 --only-binary=:all: \
-        --platform manylinux2014_x86_64 pydantic pydantic-settings msgspec xxhash cbor2 python-dotenv
+        --platform manylinux2014_x86_64 pydantic pydantic-settings msgspec xxhash cbor2 \
+        python-dotenv
     PYTHONPATH=.simdeps:. python3 -m loadtest.policy_bench --raw rows.json --jobs 16 ...
     python -m loadtest.policy_bench --from-json rows.json --targets   # here, with matplotlib
 
