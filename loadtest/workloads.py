@@ -261,7 +261,8 @@ def agentic(rate_tasks: float = 3.0, tasks: int = 400, agents: int = 16,
 
 def rag(rate: float = 40.0, n: int = 3000, chunks: int = 2000, k: int = 5,
         chunk_tokens: int = 512, instruction_tokens: int = 400,
-        question: tuple[int, int] = (16, 96), output: int = 128, zipf_s: float = 1.1, seed: int = 0) -> list[WorkloadRequest]:
+        question: tuple[int, int] = (16, 96), output: int = 128, zipf_s: float = 1.1,
+        seed: int = 0) -> list[WorkloadRequest]:
     """``n`` retrieval-augmented questions at ``rate``/s (Poisson).
 
     Prompt: a shared instruction (``instruction_tokens``), then ``k`` distinct chunks of
