@@ -20,7 +20,8 @@ ingress.
 
 What a request costs the ingress here is everything the router does for it: HTTP/1.1 in
 (uvicorn serving the real ingress FastAPI app of ``router.app``: its ``Ingress`` class,
-instantiated outside Ray Serve, with the same routes, body limit and error handling), then
+instantiated outside Ray Serve, with the same routes, body limit and error handling, on the
+event loop Ray gives its replicas: uvloop where it is installed), then
 ``IngressCore.handle``: validation, chat template, tokenization (with the shared segments'
 caches), block hashes, the atomic decision in Redis (``lua/route.lua``: match, score, choose,
 reserve the load, write the predicted entries), the dispatch to the chosen engine's HTTP
@@ -274,10 +275,29 @@ def _ingress_main(port: int, settings: dict, profile_path: str | None) -> None:
         try:
             await _server_class()(config).serve()
         finally:
+            await ingress.__del__()  # Serve's stop hook: the pooled connections close
             if profiler is not None:
                 profiler.disable()
                 profiler.dump_stats(profile_path)
-    asyncio.run(serve())
+    _run_like_ray(serve())
+
+
+def _run_like_ray(main) -> None:
+    """Run ``main`` on the event loop a Ray Serve replica has: uvloop where it is installed
+    (Ray's workers install it unless ``RAY_USE_UVLOOP=0``, ``ray._private.async_compat``),
+    else asyncio's own."""
+    try:
+        import uvloop
+    except ImportError:
+        uvloop = None
+    use = uvloop is not None and os.environ.get("RAY_USE_UVLOOP", "1").lower() not in (
+        "0", "false")
+    loop = uvloop.new_event_loop() if use else asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_until_complete(main)
+    finally:
+        loop.close()
 
 
 # --- the clients ---------------------------------------------------------------------------

@@ -31,7 +31,8 @@ from router.kv_events.feed import EventFeed
 from router.kv_events.subscriber import subscriber_endpoint
 from router.logs import get_logger
 from router.routing.replica import ReplicaMetadata, RoutingStats
-from router.serve.protocol import HOP_HEADERS, ReplicaHead, RoutedRequest
+from router.serve.engine_client import ENGINE_ERRORS, EngineClient
+from router.serve.protocol import ReplicaHead, RoutedRequest
 from router.serve.state import make_index
 
 logger = get_logger(__name__)
@@ -85,10 +86,11 @@ class EngineReplica:
         self.failed = False
         self.started_at = time.time()
         await self.engine.start()
-        self.client = httpx.AsyncClient(
+        self.client = httpx.AsyncClient(  # the engine's control calls: scrapes, probes
             base_url=self.engine.url,
             timeout=httpx.Timeout(self.settings.request_timeout_s, connect=5.0),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
+        self.engine_http = EngineClient(self.settings.request_timeout_s)  # request path
         self.stats = RoutingStats()
         # With Redis this replica writes its engine's events to the shared index; without,
         # the router consumes them itself and this feed only watches liveness.
@@ -150,25 +152,22 @@ class EngineReplica:
             yield ReplicaHead(self.replica_id, 503, {}, retryable=True,
                               error="engine is not running", predicted_cached_tokens=predicted)
             return
-        request = self.client.build_request(  # trace_headers: the router's traceparent
-            "POST", req.path, content=req.body,
-            headers={"content-type": "application/json", **(req.trace_headers or {})})
-        try:
-            resp = await self.client.send(request, stream=True)
-        except httpx.HTTPError as exc:
+        try:  # trace_headers: the router's traceparent
+            resp = await self.engine_http.open(
+                "POST", self.engine.url + req.path, req.body,
+                {"content-type": "application/json", **(req.trace_headers or {})})
+        except ENGINE_ERRORS as exc:
             yield ReplicaHead(self.replica_id, 503, {}, retryable=True,
                               error=f"engine unreachable: {type(exc).__name__}",
                               predicted_cached_tokens=predicted)
             return
         try:
-            headers = {k: v for k, v in resp.headers.items() if k.lower() not in HOP_HEADERS}
-            retryable = resp.status_code >= 500
-            yield ReplicaHead(self.replica_id, resp.status_code, headers, retryable=retryable,
-                              predicted_cached_tokens=predicted)
-            async for chunk in resp.aiter_raw():
+            yield ReplicaHead(self.replica_id, resp.status, resp.headers,
+                              retryable=resp.status >= 500, predicted_cached_tokens=predicted)
+            async for chunk in resp.chunks():
                 yield chunk
         finally:
-            await resp.aclose()
+            await resp.close()
 
     async def ping(self) -> str:
         """This replica's id (readiness probe of the ingress)."""
@@ -185,13 +184,12 @@ class EngineReplica:
         """
         if not self.engine.alive():
             raise RuntimeError(f"engine of replica {self.replica_id} is not running")
-        r = await self.client.request(method, path, content=body, timeout=30.0,
-                                      headers={"content-type": "application/json"})
-        if r.status_code >= 500:
-            raise RuntimeError(f"engine of replica {self.replica_id} answered "
-                               f"{r.status_code}")
-        return r.status_code, {k: v for k, v in r.headers.items()
-                               if k.lower() not in HOP_HEADERS}, r.content
+        status, headers, data = await self.engine_http.call(
+            method, self.engine.url + path, body, {"content-type": "application/json"},
+            timeout_s=30.0)
+        if status >= 500:
+            raise RuntimeError(f"engine of replica {self.replica_id} answered {status}")
+        return status, headers, data
 
     async def engine_info(self) -> dict[str, Any]:
         """Metadata plus the engine's process id and restarts (tests, operators)."""
@@ -302,6 +300,8 @@ class EngineReplica:
                 logger.warning("replica %s could not remove its index entries (Redis "
                                "unavailable); the routers purge them when it leaves",
                                self.replica_id)
+        if getattr(self, "engine_http", None) is not None:
+            await self.engine_http.close()
         if getattr(self, "engine", None):
             await self.engine.stop()
             self.engine.remove_files()

@@ -105,6 +105,14 @@ class Ingress:
         # set now, so /health and the 503 check know the replica count before traffic.
         self._warmup = asyncio.get_event_loop().create_task(self._warm_up())
 
+    async def __del__(self):
+        """Serve's stop hook (it awaits an async ``__del__``): close the pooled engine
+        connections and the external fleet's watchers."""
+        if getattr(self, "fleet", None) is not None:
+            await self.fleet.stop()
+        if getattr(self, "core", None) is not None:
+            await self.core.close()
+
     async def _warm_up(self, timeout_s: float = 30.0) -> None:
         """Ping one engine replica through the handle, so that its router starts and hears
         of the replica set. With no replica (none started yet, or none in Ray: external

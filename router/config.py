@@ -361,7 +361,11 @@ class Settings(BaseSettings):
                                 "no bound, requests queue in the engines.")
     queue_timeout_s: float = Field(
         2.0, gt=0, description="Longest wait of a request in the router's admission queue "
-                               "before its 429 (s).")
+                               "before its 429 (s). A request that finds no slot waits only "
+                               "when a slot is at least 0.9 likely to free for it within this "
+                               "time (from the ages of the requests in flight and recent hold "
+                               "times); otherwise its 429 comes at once. A longer timeout "
+                               "lets more requests wait.")
     retry_after_s: int = Field(
         1, ge=1, description="Retry-After of the admission 429 (s).")
     overloaded_queue_timeout_s: float = Field(
@@ -372,8 +376,8 @@ class Settings(BaseSettings):
                                  "'Fail at Scale', ACM Queue 2015 (5 ms there). While the "
                                  "last 10 s brought over 1.5 x more arrivals than slots "
                                  "handed out, a request that finds no slot is refused "
-                                 "without waiting (Google's adaptive throttling, SRE book "
-                                 "ch. 21).")
+                                 "without waiting, and before its body is rendered "
+                                 "(Google's adaptive throttling, SRE book ch. 21).")
     sse_keepalive_s: Optional[float] = Field(
         15.0, gt=0, description="A streaming request that has no answer to send yet after "
                                 "this long (waiting in the admission queue, or for its "

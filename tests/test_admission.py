@@ -260,3 +260,136 @@ def test_an_error_answer_carries_the_routers_own_time():
     headers = err.response_headers(0.0123)
     assert headers["retry-after"] == "2" and headers["server-timing"] == "router;dur=12.300"
     assert "server-timing" not in err.response_headers()
+
+
+async def test_under_sustained_overload_a_blocked_request_is_refused_before_its_render(
+        model_dir, monkeypatch):
+    """The ingress asks admission before it renders, tokenizes and hashes a body: under
+    sustained overload with every slot taken, the 429 comes without that work (so it waits
+    behind no render); with a free slot, or without the overload, the request goes on."""
+    from router.config import Settings
+    from router.prompt.render import COMPLETIONS_PATH
+    from router.routing.replica import ReplicaInfo
+    from router.serve import state
+    from router.serve.ingress import IngressCore
+
+    state.put("replica_infos", tuple(
+        ReplicaInfo(r, {"engine_url": f"http://{r}"}, {"engine_alive": True})
+        for r in REPLICAS))
+    try:
+        core = IngressCore(Settings(model=str(model_dir), index_namespace="early-refusal",
+                                    max_inflight_per_replica=2), engine_handle=None)
+        prepared = []
+
+        async def prepare(*args, **kwargs):
+            prepared.append(args)
+            raise OpenAIError(418, "prepared", "Teapot")  # stop here: no engine exists
+
+        monkeypatch.setattr(core, "prepare", prepare)
+        await _full(core.load)
+        now = time.monotonic()
+        for i in range(20):
+            core.admission._grants.append(now - 2.0 + 0.1 * i)
+        for i in range(20):  # about as many arrivals as grants: no overload yet
+            core.admission._arrivals.append(now - 2.0 + 0.1 * i)
+        body = b'{"model": "tiny-qwen2", "prompt": "hi", "max_tokens": 1}'
+        with pytest.raises(OpenAIError) as err:
+            await core.handle(COMPLETIONS_PATH, body, 0.0)
+        assert err.value.status == 418 and len(prepared) == 1
+        for i in range(40):  # now 60 arrivals against 20 grants
+            core.admission._arrivals.append(now - 1.0 + 0.02 * i)
+        with pytest.raises(OpenAIError) as err:
+            await core.handle(COMPLETIONS_PATH, body, 0.0)
+        assert err.value.status == 429 and "arrive much faster" in err.value.message
+        assert len(prepared) == 1  # not rendered
+        await core.load.release("a0")  # a free slot: it goes on to its render
+        with pytest.raises(OpenAIError) as err:
+            await core.handle(COMPLETIONS_PATH, body, 0.0)
+        assert err.value.status == 418 and len(prepared) == 2
+    finally:
+        state.put("replica_infos", None)
+
+
+def test_the_slot_probability_is_the_exact_poisson_binomial_tail():
+    """slot_probability against a brute-force sum over every outcome of each slot, with
+    hold times that vary (so each slot of this process has its own probability) and slots
+    of other processes at the stationary one."""
+    import itertools
+    import random
+
+    rnd = random.Random(7)
+    adm = Admission(MemoryLoadTracker(), 4, timeout_s=0.5)
+    assert adm.slot_probability(1, 0.5) is None  # no hold times yet: the drain rate decides
+    adm._held.extend(rnd.uniform(0.5, 3.0) for _ in range(40))
+    now = time.monotonic()
+    for i in range(6):
+        adm._holds[f"r{i}"] = now - rnd.uniform(0.0, 2.9)
+    adm._inflight_seen = 9  # 3 slots held elsewhere
+    held = sorted(adm._held)
+
+    def survival(x):
+        return sum(d > x for d in held) / len(held)
+    stationary = sum(min(d, 0.5) for d in held) / sum(held)
+    probs = [(survival(now - t) - survival(now - t + 0.5)) / survival(now - t)
+             for t in adm._holds.values()] + [stationary] * 3
+    for needed in (1, 2, 4):
+        brute = 0.0
+        for outcome in itertools.product((0, 1), repeat=len(probs)):
+            if sum(outcome) >= needed:
+                w = 1.0
+                for o, p in zip(outcome, probs):
+                    w *= p if o else 1 - p
+                brute += w
+        got = adm.slot_probability(needed, 0.5, now)
+        assert abs(got - brute) < 1e-9, (needed, got, brute)
+    assert adm.slot_probability(0, 0.5, now) == 1.0
+
+
+async def test_a_request_waits_only_when_a_slot_is_likely_to_free_within_its_timeout():
+    """Every answer holding its slot about 4 s (the hold times seen): a request that finds
+    no slot while the oldest one in flight is 3.9 s old waits and gets the slot it frees;
+    when every request in flight began just now, none frees within the 0.25 s timeout,
+    and the request is refused at once instead of after waiting the whole timeout."""
+    load = MemoryLoadTracker()
+    adm = Admission(load, 2, timeout_s=0.25)
+    adm._held.extend([4.0] * 20)
+    now = time.monotonic()
+    for i, r in enumerate(REPLICAS * 2):  # 4 slots, all of this process
+        await load.reserve(f"h{i}", r, 10)
+        adm._holds[f"h{i}"] = now - 0.1
+    t0 = time.monotonic()
+    with pytest.raises(OpenAIError) as err:
+        await adm.admit("young", lambda: REPLICAS)
+    assert time.monotonic() - t0 < 0.1 and err.value.status == 429
+    assert adm.waiting == 0
+
+    adm._holds["h0"] = time.monotonic() - 3.9  # nearly done
+    task = asyncio.create_task(adm.admit("old", lambda: REPLICAS))
+    await asyncio.sleep(0.05)
+    assert not task.done() and adm.waiting == 1
+    await load.release("h0")
+    adm.released("h0")
+    await asyncio.wait_for(task, 1.0)
+    assert len(adm._held) == 21 and adm._held[-1] > 3.9  # its hold time joined the others
+    assert "old" in adm._holds and "h0" not in adm._holds
+
+
+async def test_slots_of_other_routers_free_at_the_stationary_rate():
+    """With every slot held by other router processes (ages unknown), four 4 s holds free
+    one within 0.25 s with probability 1 - (1 - 0.25 / 4) ** 4 = 0.23: refused at once;
+    with 64 such slots, 0.98: the request waits."""
+    for slots, waits in ((4, False), (64, True)):
+        load = MemoryLoadTracker()
+        await _full(load, slots // 2)
+        adm = Admission(load, slots // 2, timeout_s=0.25)
+        adm._held.extend([4.0] * 20)
+        task = asyncio.create_task(adm.admit("x", lambda: REPLICAS))
+        await asyncio.sleep(0.05)
+        assert task.done() is not waits, slots
+        if waits:
+            await _free_one(load, adm, "a0")
+        try:
+            await asyncio.wait_for(task, 1.0)
+            assert waits
+        except OpenAIError as exc:
+            assert not waits and exc.status == 429

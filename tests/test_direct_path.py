@@ -1,13 +1,14 @@
-"""The direct data path's failure handling, with the engines' HTTP answered by an in-process
-transport (a fault at an exact moment: the headers came, the body broke before its first
-byte), no Ray: the ingress decides and dispatches itself."""
+"""The direct data path's failure handling, with the engines' HTTP served by real aiohttp
+servers on loopback that fail at an exact moment (the headers came, the body broke before
+its first byte: the connection is reset), no Ray: the ingress decides and dispatches
+itself over its pooled connections (``router.serve.engine_client``)."""
 
 from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
+from aiohttp import web
 
 from router.config import Settings
 from router.prompt.render import COMPLETIONS_PATH
@@ -19,36 +20,65 @@ OK = {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "
       "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
 
 
-class _Broken(httpx.AsyncByteStream):
-    async def __aiter__(self):
-        raise httpx.ReadError("connection reset after the headers")
-        yield b""  # pragma: no cover - an async generator that fails at once
-
-
-def _engine(request: httpx.Request) -> httpx.Response:
-    if request.url.host in _Engines.broken:
-        return httpx.Response(200, headers={"content-type": "application/json"},
-                              stream=_Broken())
-    return httpx.Response(200, headers={"content-type": "application/json"},
-                          stream=httpx.ByteStream(json.dumps(OK).encode()))
-
-
 class _Engines:
-    broken: set[str] = set()
+    """Two engines, ``a`` and ``b``, each an aiohttp server on a loopback port; those in
+    ``broken`` send their head and then reset the connection; ``calls`` lists who was
+    called, in order."""
+
+    def __init__(self):
+        self.broken: set[str] = set()
+        self.calls: list[str] = []
+        self.runners: list[web.AppRunner] = []
+        self.urls: dict[str, str] = {}
+
+    async def start(self) -> None:
+        for name in ("a", "b"):
+            app = web.Application()
+            app.router.add_post(COMPLETIONS_PATH, self._handler(name))
+            runner = web.AppRunner(app)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            port = site._server.sockets[0].getsockname()[1]
+            self.runners.append(runner)
+            self.urls[name] = f"http://127.0.0.1:{port}"
+
+    def _handler(self, name: str):
+        async def handle(request: web.Request) -> web.StreamResponse:
+            await request.read()
+            self.calls.append(name)
+            if name in self.broken:
+                resp = web.StreamResponse(headers={"content-type": "application/json"})
+                await resp.prepare(request)  # the head goes out (chunked), then a reset
+                request.transport.abort()
+                return resp
+            return web.json_response(OK)
+        return handle
+
+    async def stop(self) -> None:
+        for runner in self.runners:
+            await runner.cleanup()
 
 
 @pytest.fixture
-def core(model_dir, monkeypatch):
-    monkeypatch.setattr(_Engines, "broken", set())
-    infos = tuple(ReplicaInfo(r, {"engine_url": f"http://{r}"}, {"engine_alive": True})
+async def engines():
+    e = _Engines()
+    await e.start()
+    yield e
+    await e.stop()
+
+
+@pytest.fixture
+async def core(model_dir, engines):
+    infos = tuple(ReplicaInfo(r, {"engine_url": engines.urls[r]}, {"engine_alive": True})
                   for r in ("a", "b"))
     state.put("replica_infos", infos)
     c = IngressCore(Settings(model=str(model_dir), index_namespace="direct-path-test",
                              policy="round_robin"), engine_handle=None)
-    c._engine_client = httpx.AsyncClient(transport=httpx.MockTransport(_engine))
     c.health.forget("a")
     c.health.forget("b")
     yield c
+    await c.engine_client().close()
     state.put("replica_infos", None)
 
 
@@ -56,8 +86,9 @@ def _body() -> bytes:
     return json.dumps({"model": "tiny-qwen2", "prompt": "hello there", "max_tokens": 1}).encode()
 
 
-async def test_a_body_broken_before_its_first_byte_is_retried_and_opens_the_circuit(core):
-    _Engines.broken = {"a"}
+async def test_a_body_broken_before_its_first_byte_is_retried_and_opens_the_circuit(
+        core, engines):
+    engines.broken = {"a"}
     for _ in range(6):
         r = await core.handle(COMPLETIONS_PATH, _body(), 0.0)
         assert r.status_code == 200 and r.headers["x-routed-replica"] == "b"
@@ -66,24 +97,24 @@ async def test_a_body_broken_before_its_first_byte_is_retried_and_opens_the_circ
     assert all(v.inflight == 0 for v in (await core.load.loads(["a", "b"])).values())
 
 
-async def test_two_broken_bodies_get_an_openai_502_not_a_500(core):
-    _Engines.broken = {"a", "b"}
+async def test_two_broken_bodies_get_an_openai_502_not_a_500(core, engines):
+    engines.broken = {"a", "b"}
     r = await core.handle(COMPLETIONS_PATH, _body(), 0.0)
     assert r.status_code == 502
     err = json.loads(r.body)["error"]
-    assert err["code"] == 502 and "ReadError" in err["message"]
+    assert err["code"] == 502 and "engine replica failed" in err["message"], err
     assert all(v.inflight == 0 for v in (await core.load.loads(["a", "b"])).values())
 
 
 async def test_a_stream_whose_answer_loses_its_cancellation_still_releases_its_load(
-        core, monkeypatch):
+        core, engines, monkeypatch):
     """The client leaves while its streaming request waits; the answer task loses the
     cancellation (as ``asyncio.wait_for`` loses one on Python 3.11, python/cpython#86296)
     and goes on to route, reserve and open the engine call. Nobody sends its response, so
     the ingress closes it: the load returns to 0 (CI once kept such a lease forever)."""
     import asyncio
 
-    admit, entered, calls = core.admission.admit, asyncio.Event(), []
+    admit, entered, calls = core.admission.admit, asyncio.Event(), engines.calls
 
     async def stubborn_admit(*args, **kwargs):
         entered.set()
@@ -94,8 +125,6 @@ async def test_a_stream_whose_answer_loses_its_cancellation_still_releases_its_l
         return await admit(*args, **kwargs)
 
     monkeypatch.setattr(core.admission, "admit", stubborn_admit)
-    core._engine_client = httpx.AsyncClient(transport=httpx.MockTransport(
-        lambda request: calls.append(request.url.host) or _engine(request)))
     body = json.dumps({"model": "tiny-qwen2", "prompt": "hello there", "max_tokens": 1,
                        "stream": True}).encode()
     task = asyncio.ensure_future(core.handle(COMPLETIONS_PATH, body, 0.0))
@@ -110,3 +139,85 @@ async def test_a_stream_whose_answer_loses_its_cancellation_still_releases_its_l
         await asyncio.sleep(0.01)
     assert calls, "the answer went on to the engine"
     assert all(v.inflight == 0 for v in loads.values()), loads
+
+
+async def test_an_answer_that_stalls_past_the_read_timeout_closes_its_connection():
+    """An engine that sends its head and then nothing: the read times out and the
+    connection is closed at once, so the engine sees the client leave (vLLM then aborts
+    the request) instead of generating on for nobody."""
+    import asyncio
+
+    from router.serve.engine_client import ENGINE_ERRORS, EngineClient
+
+    left = asyncio.Event()
+
+    async def stall(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(200):  # up to 10 s
+            if request.transport is None or request.transport.is_closing():
+                left.set()
+                break
+            await asyncio.sleep(0.05)
+        return resp
+
+    app = web.Application()
+    app.router.add_post(COMPLETIONS_PATH, stall)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    client = EngineClient(0.3)
+    try:
+        resp = await client.open("POST", f"http://127.0.0.1:{port}{COMPLETIONS_PATH}",
+                                 _body(), {"content-type": "application/json"})
+        assert resp.status == 200
+        with pytest.raises(ENGINE_ERRORS):
+            async for _ in resp.chunks():
+                pass
+        await asyncio.wait_for(left.wait(), 5.0)  # the engine saw the disconnect
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+async def test_the_engine_client_relays_a_redirect_and_repeated_headers_as_the_engine_sent():
+    """A 3xx is the engine's answer (not followed to its location), a header the engine
+    sends twice arrives as one comma-joined value under its lower-case name, and the
+    engine is not asked for a compressed body (the client relays it undecoded)."""
+    from router.serve.engine_client import EngineClient
+
+    seen: list[dict] = []
+
+    async def redirect(request: web.Request) -> web.Response:
+        seen.append(dict(request.headers))
+        resp = web.Response(status=307, headers={"Location": "/elsewhere"})
+        resp.headers.add("X-Engine-Note", "one")
+        resp.headers.add("X-Engine-Note", "two")
+        return resp
+
+    async def elsewhere(request: web.Request) -> web.Response:
+        seen.append({"followed": "yes"})
+        return web.json_response(OK)
+
+    app = web.Application()
+    app.router.add_post(COMPLETIONS_PATH, redirect)
+    app.router.add_route("*", "/elsewhere", elsewhere)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    client = EngineClient(5.0)
+    try:
+        status, headers, _ = await client.call(
+            "POST", f"http://127.0.0.1:{port}{COMPLETIONS_PATH}", _body(),
+            {"content-type": "application/json"})
+    finally:
+        await client.close()
+        await runner.cleanup()
+    assert status == 307 and headers["location"] == "/elsewhere", (status, headers)
+    assert headers["x-engine-note"] == "one, two", headers
+    assert len(seen) == 1 and "followed" not in seen[0], seen
+    assert "accept-encoding" not in {k.lower() for k in seen[0]}, seen[0]

@@ -303,6 +303,8 @@ def _recorded_metrics(monkeypatch) -> dict:
     recorded = defaultdict(_Recorded)
     recorded["requests"]  # non-empty: metrics.get does not make the Ray metrics
     monkeypatch.setattr(metrics, "_metrics", recorded)
+    # counters and gauges are held until a flush (metrics.Coalesced): flushed by hand here
+    monkeypatch.setattr(metrics, "_coalesced", metrics.Coalesced(recorded.__getitem__, None))
     return recorded
 
 
@@ -359,7 +361,9 @@ async def test_a_failed_index_write_is_counted_and_observes_no_apply_lag(tmp_pat
     await until(lambda: _is_dirty(feed))
     await feed.stop()
     pub.close()
-    assert recorded["index_errors"].values == [(1, {"op": "kv_events_write"})]
+    from router import metrics
+    metrics._coalesced.flush()
+    assert recorded["index_errors"].values == [(1.0, {"op": "kv_events_write"})]
     assert not recorded["kv_event_apply_lag"].values and feed.pending_batch_ts == []
 
 

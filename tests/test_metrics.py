@@ -57,3 +57,37 @@ def test_engine_load_is_exported_per_replica_and_state(monkeypatch):
         (("replica", "r1"), ("state", "running")): 3,
         (("replica", "r1"), ("state", "waiting")): 2}
     assert gauges["engine_kv_cache_usage"].values == {(("replica", "r1"),): 0.25}
+
+
+def test_counter_increments_and_gauge_values_reach_ray_coalesced():
+    """Increments of one counter and tags become one record of their sum, a gauge keeps its
+    latest value, other tags stay apart; nothing reaches the metric before the flush."""
+    from collections import defaultdict
+
+    from router.metrics import Coalesced
+
+    class Metric:
+        def __init__(self):
+            self.records = []
+
+        def inc(self, value, tags=None):
+            self.records.append(("inc", value, tags))
+
+        def set(self, value, tags=None):
+            self.records.append(("set", value, tags))
+
+    made = defaultdict(Metric)
+    held = Coalesced(made.__getitem__, interval_s=None)  # flushed by hand only
+    for _ in range(3):
+        held.inc("decisions", 1.0, {"reason": "cache", "policy": "p"})
+    held.inc("decisions", 2.0, {"reason": "load", "policy": "p"})
+    for n in (1, 2, 1):
+        held.set("inflight", n, {"replica": "a"})
+    assert made["decisions"].records == [] and made["inflight"].records == []
+    held.flush()
+    assert sorted(made["decisions"].records, key=str) == [
+        ("inc", 2.0, {"reason": "load", "policy": "p"}),
+        ("inc", 3.0, {"reason": "cache", "policy": "p"})]
+    assert made["inflight"].records == [("set", 1, {"replica": "a"})]
+    held.flush()  # nothing new: nothing sent again
+    assert len(made["decisions"].records) == 2

@@ -140,6 +140,40 @@ async def test_predicted_entries_are_written_past_the_exact_run_and_expired_ones
     assert await client.hlen(index.keys.predicted("a")) <= live_bound + 8
 
 
+async def test_a_prompt_sent_again_refreshes_its_predicted_entries_once_per_half_ttl(
+        redis_pair):
+    """Predicted entries with half their TTL left are not written again: a conversation's
+    next turn writes only its new blocks, and a prefix in use keeps living (it is written
+    again once less than half its TTL is left)."""
+    index, load, clock = redis_pair
+    p, atomic, client = PrefixAware(), AtomicRoute(index, load), index.conn.client()
+    hashes = [101, 102, 103, 104]
+
+    async def expiries() -> dict[int, int]:
+        raw = await client.hgetall(index.keys.predicted("a"))
+        return {int.from_bytes(k, "big"): int(v) for k, v in raw.items()}
+
+    async def route(rid: str, blocks: list[int]) -> None:
+        await atomic.route(rid, len(blocks) * BS, blocks, ["a"], [10.0],
+                           **route_kwargs(p, 0.0))
+        await load.release(rid)
+
+    await route("t1", hashes)
+    first = await expiries()
+    assert sorted(first) == hashes and len(set(first.values())) == 1
+    clock.advance(2.0)
+    await route("t2", hashes + [105, 106])  # the next turn: two new blocks
+    second = await expiries()
+    assert {h: second[h] for h in hashes} == first  # not written again
+    assert second[105] == second[106] == first[101] + 2000
+    clock.advance(4.0)  # 6 s after the first write: under half of the 10 s TTL is left
+    await route("t3", hashes)
+    third = await expiries()
+    assert all(third[h] == first[h] + 6000 for h in hashes)
+    assert third[105] == second[105]  # not part of this prompt
+    assert (await index.lookup(hashes + [105, 106], ["a"]))["a"] == 6
+
+
 async def test_leases_of_a_dead_router_are_swept(redis_pair):
     index, load, clock = redis_pair
     other = RedisLoadTracker(load.conn, load.ns, clock=clock)  # a second router process

@@ -116,7 +116,7 @@ async def router(engines, model_dir, monkeypatch, request):
         client.core, client.app = core, app
         yield client
     if core._engine_client is not None:
-        await core._engine_client.aclose()
+        await core._engine_client.close()
     for s in engines.values():
         s.faults(error_status=0, error_count=-1)
     state.put("replica_infos", None)

@@ -64,6 +64,7 @@ async def _run(model_dir, a: EngineServer, b: EngineServer, warm: bool) -> tuple
     finally:
         if core.warmup is not None and core.warmup._task is not None:
             core.warmup._task.cancel()
+        await core.close()
         state.put("replica_infos", None)
 
 

@@ -49,8 +49,11 @@ end
 --    first read is the first block alone (most candidates do not hold a prompt's first
 --    block, and the chained hashes mean they then hold none of it), then 16, then 64 at a
 --    time.
-local function held_prefix(xkey, pkey)
-  local i, chunk, exact = 0, 1, nil
+--    Also the leading blocks that need no new predicted entry ("fresh": held exactly, or
+--    predicted with more than half of the candidate's TTL left, past ``half``): a prompt
+--    sent again and again refreshes its entries once per half TTL, not on every request.
+local function held_prefix(xkey, pkey, half)
+  local i, chunk, exact, fresh = 0, 1, nil, nil
   while i < nblocks do
     local last = math.min(i + chunk, nblocks)
     upto(last)
@@ -64,16 +67,22 @@ local function held_prefix(xkey, pkey)
       local pr = redis.call('HMGET', pkey, unpack(H, i + k, last))
       for m = k, n do
         local e = pr[m - k + 1]
-        if not (ex[m] or (e and tonumber(e) > now)) then return i + m - 1, exact end
+        e = e and tonumber(e)
+        if not fresh and not (ex[m] or (e and e > half)) then fresh = i + m - 1 end
+        if not (ex[m] or (e and e > now)) then return i + m - 1, exact, fresh or (i + m - 1) end
       end
     end
     i = last
     if chunk == 1 then chunk = 16 else chunk = 64 end
   end
-  return nblocks, exact or nblocks
+  return nblocks, exact or nblocks, fresh or nblocks
 end
-local matched, exact_run = {}, {}
-for j = 1, nc do matched[j], exact_run[j] = held_prefix(KEYS[2 * j - 1], KEYS[2 * j]) end
+local F = 21  -- route mode: fixed arguments before the per-candidate ones (TTLs, then ids)
+local matched, exact_run, fresh_run = {}, {}, {}
+for j = 1, nc do
+  local half = mode == 'route' and now + tonumber(ARGV[F + j]) / 2 or now
+  matched[j], exact_run[j], fresh_run[j] = held_prefix(KEYS[2 * j - 1], KEYS[2 * j], half)
+end
 if mode == 'lookup' then
   local out = {0}
   for j = 1, nc do out[#out + 1] = matched[j] end
@@ -90,7 +99,6 @@ local heartbeat_ttl = tonumber(ARGV[17])
 local max_inflight = tonumber(ARGV[18])
 local running_weight = tonumber(ARGV[19]); local interference = tonumber(ARGV[20])
 local out_tokens = tonumber(ARGV[21])
-local F = 21  -- fixed arguments before the per-candidate ones
 local cands, ttls = {}, {}
 for j = 1, nc do
   ttls[j] = tonumber(ARGV[F + j])
@@ -196,10 +204,11 @@ redis.call('SET', heartbeat, 1, 'PX', heartbeat_ttl)
 -- 5. predicted entries for the chosen replica (as record_predicted.lua), for the blocks past
 --    its exact run only: the engine already holds the run, and its KV events keep those
 --    entries true (a block it evicts then leaves the index, not a prediction behind it).
+--    Past its fresh run, too (step 1): an entry with half its TTL left is not written again.
 --    Each write also sweeps a few fields of the hash, twice as many as it writes, so
 --    expired entries go while the hash keeps being refreshed (without the sweep a replica
 --    taking new prompts all the time kept every expired field: the hash only expires whole).
-local first = exact_run[pick] + 1
+local first = fresh_run[pick] + 1  -- the fresh run holds the exact run
 if first <= nblocks then
   upto(nblocks)
   local pkey = KEYS[2 * pick]

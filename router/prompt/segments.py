@@ -109,13 +109,18 @@ class SegmentEncoder:
     Args:
         tokenizer: a ``transformers`` fast tokenizer.
         max_chars: bound of the cached pieces' total length (characters; with their ids,
-            held as 4-byte words, about 2.5 bytes per character); least recently used
-            pieces go first.
-        min_chars: pieces shorter than this are encoded, not cached.
+            held as 4-byte words, about 2.5 bytes per character), each piece counted
+            ``ENTRY_CHARS`` more for its entry's own objects (about 250 bytes: the string,
+            the array, the dictionary slot); least recently used pieces go first.
+        min_chars: pieces shorter than this are encoded, not cached (a message of a few
+            hundred characters costs 30-60 us to encode against under 1 us to look up, and
+            a conversation sends each of its messages again with every turn).
         chunk_chars: chunk length of long pieces encoded in parallel (0: never).
     """
 
-    def __init__(self, tokenizer, max_chars: int = 8_000_000, min_chars: int = 512,
+    ENTRY_CHARS = 100  # a cached piece's own objects, in characters of the bound (~250 B)
+
+    def __init__(self, tokenizer, max_chars: int = 8_000_000, min_chars: int = 32,
                  chunk_chars: int = 4096):
         self.max_chars, self.min_chars, self.chunk_chars = max_chars, min_chars, chunk_chars
         self._cache: OrderedDict[str, array] = OrderedDict()
@@ -321,7 +326,7 @@ class SegmentEncoder:
         with self._cache_lock:
             if piece not in self._cache:
                 self._cache[piece] = array("I", ids)
-                self._chars += len(piece)
+                self._chars += len(piece) + self.ENTRY_CHARS
             while self._chars > self.max_chars:
                 old, _ = self._cache.popitem(last=False)
-                self._chars -= len(old)
+                self._chars -= len(old) + self.ENTRY_CHARS

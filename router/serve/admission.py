@@ -6,10 +6,18 @@ requests, from the load tracker). When every replica is at its bound, the reques
 this ingress's queue, ordered by priority (lower first, as vLLM's ``priority`` field) and then
 by arrival, for at most ``Settings.queue_timeout_s``. Past that it is refused with a 429 and a
 ``Retry-After`` header, so a client under overload learns it in a bounded time and backs off
-(OpenAI answers rate limits and overload the same way). A request that cannot be admitted
-in time is refused at once: the queue drains at a measured rate (the slots handed out in
-the last seconds), so a request with ``k`` requests ahead of it would wait about
-``k / rate``; past ``queue_timeout_s`` it gets its 429 on arrival, not after waiting for it.
+(OpenAI answers rate limits and overload the same way). A request that is unlikely to be
+admitted in time is refused at once, not after waiting for its 429: it waits only when
+the probability that enough slots free up within its timeout (one for it and one for each
+request ahead of it) is at least ``QUEUE_CONFIDENCE`` (0.9). That probability comes from
+the ages of the requests in flight and the hold times of the last released ones
+(``slot_probability``): the head of the queue must wait for the oldest request in flight
+to end, which the mean drain rate does not know (measured at 0.9 x capacity with 4 s
+answers: the head found no slot within 0.25 s about 17 % of the time, and those waited the
+whole timeout before their 429). Until ``MIN_HELD_SAMPLES`` holds have ended, the measured
+drain rate decides instead (the slots handed out in the last seconds): a request with ``k``
+requests ahead of it would wait about ``k / rate``, and past ``queue_timeout_s`` it is
+refused on arrival.
 Bursts within the fleet's capacity wait; sustained overload is refused fast. And a queue
 that has not been empty for ``queue_timeout_s`` is a standing queue, not a burst: a request
 that joins it may wait only ``overloaded_timeout_s`` (5 ms by default) before its 429. This is
@@ -48,6 +56,7 @@ each admission costs one load read (one Redis round trip with the Redis tracker)
 from __future__ import annotations
 
 import asyncio
+import bisect
 import heapq
 import itertools
 import threading
@@ -111,11 +120,23 @@ class Admission:
         # slots were handed out, and when requests arrived
         self._grants: deque[float] = deque()
         self._arrivals: deque[float] = deque()
+        # the slots this process handed out and holds: request id -> when (monotonic s);
+        # and how long the last released ones were held (s), for ``slot_probability``
+        self._holds: dict[str, float] = {}
+        self._held: deque[float] = deque(maxlen=self.HELD_SAMPLES)
+        self._held_sorted: list[float] | None = None
+        self._inflight_seen = 0  # requests in flight on the usable replicas at the last look
         if bound is not None:  # the series exists from the start: a queue refused at once
             metrics.get("admission_waiting").set(0)  # by its drain rate never sets it
 
     RATE_WINDOW_S = 10.0
     OVERLOAD_RATIO = 1.5
+    # a request that finds no slot waits only when at least this likely to get one within
+    # its timeout (``slot_probability``); below, it is refused at once
+    QUEUE_CONFIDENCE = 0.9
+    HELD_SAMPLES = 512  # hold times kept for the estimate (the most recent)
+    MIN_HELD_SAMPLES = 16  # fewer: the drain-rate rule decides instead
+    HOLDS_MAX = 65536  # slots held in one process past which the oldest half is forgotten
 
     def drain_rate(self, now: float | None = None) -> float | None:
         """Slots handed out per second over the last ``RATE_WINDOW_S`` (s; at once or from
@@ -154,10 +175,85 @@ class Admission:
         """Requests in this process's queue now."""
         return len(self._queue)
 
-    def released(self) -> None:
-        """This process released a request: the head of the queue looks again at once."""
+    def released(self, request_id: str | None = None) -> None:
+        """This process released a request: the head of the queue looks again at once, and
+        the time ``request_id`` held its slot (from its grant) joins the hold times of
+        ``slot_probability``. Idempotent per request."""
+        if request_id is not None:
+            granted = self._holds.pop(request_id, None)
+            if granted is not None:
+                self._held.append(time.monotonic() - granted)
+                self._held_sorted = None
         if self._wake is not None:
             self._wake.set()
+
+    def _granted(self, request_id: str, now: float) -> None:
+        """A slot went to ``request_id`` at ``now``."""
+        self._take(request_id)
+        self._record(self._grants, now)
+        self._holds[request_id] = now
+        if len(self._holds) > self.HOLDS_MAX:  # a hold no release ended (a bug elsewhere):
+            oldest = sorted(self._holds.values())[len(self._holds) // 2]  # forget the
+            for rid in [r for r, t in self._holds.items() if t < oldest]:  # older half
+                del self._holds[rid]
+
+    def slot_probability(self, needed: int, within_s: float,
+                         now: float | None = None) -> float | None:
+        """The probability that at least ``needed`` slots free up within ``within_s`` (s),
+        from how long slots were held lately; None with fewer than ``MIN_HELD_SAMPLES``
+        hold times (the caller then uses the drain rate).
+
+        A slot this process holds frees with the conditional probability of its hold time
+        given its age ``a``: ``(S(a) - S(a + T)) / S(a)``, where ``S`` is the empirical
+        survival function of the recent hold times and ``T = within_s``: a request that is
+        nearly done is likely to free its slot soon, one just granted is not. A slot held
+        by another router process (the shared load's in-flight count less this process's
+        holds), or one of this process's held longer than any recent hold, has unknown
+        age; it frees with the stationary probability of a renewal process,
+        ``E[min(D, T)] / E[D]`` for hold times ``D`` (the residual-life distribution:
+        S. Ross, Stochastic Processes, 2nd ed., Wiley 1996, section 3.4). Slots free
+        independently of each other; the count that frees is then a Poisson-binomial
+        variable, whose tail this computes exactly (O(slots x needed)).
+
+        With equal hold times (a fleet where every answer has the same length) the ages
+        tell when each slot frees, and the estimate is near 0 or 1; with hold times that
+        vary, it spreads accordingly. Unlike the drain rate alone, it knows that the head
+        of the queue must wait for the oldest request in flight to end, which may be
+        further off than the mean gap between completions.
+        """
+        if len(self._held) < self.MIN_HELD_SAMPLES:
+            return None
+        if needed <= 0:
+            return 1.0
+        now = time.monotonic() if now is None else now
+        if self._held_sorted is None:
+            self._held_sorted = sorted(self._held)
+        held = self._held_sorted
+        n = len(held)
+        mean = sum(held) / n
+        stationary = min(1.0, sum(min(d, within_s) for d in held) / n / mean) \
+            if mean > 0 else 1.0
+
+        def survival(x: float) -> float:  # fraction of recent hold times longer than x
+            return (n - bisect.bisect_right(held, x)) / n
+
+        probs = []
+        for granted in list(self._holds.values()):  # a copy: never "changed size"
+            age = max(now - granted, 0.0)
+            alive = survival(age)
+            probs.append((alive - survival(age + within_s)) / alive if alive > 0
+                         else stationary)
+        others = max(self._inflight_seen - len(probs), 0)
+        probs.extend([stationary] * others)
+        # tail[j]: probability that exactly j slots freed (j < needed), or at least
+        # `needed` (j == needed), over the slots folded in so far
+        tail = [1.0] + [0.0] * needed
+        for p in probs:
+            for j in range(needed, 0, -1):
+                tail[j] = tail[j] * (1 - p) + tail[j - 1] * p + (tail[j] * p
+                                                                 if j == needed else 0.0)
+            tail[0] *= 1 - p
+        return tail[needed]
 
     def reserved(self, request_id: str) -> None:
         """``request_id`` now holds its load reservation (it counts in the shared load), or
@@ -191,11 +287,32 @@ class Admission:
             with self._pending_lock:
                 self._reads.remove(t0)
         free = sum(max(self.bound - loads[r].inflight, 0) for r in replicas)
+        self._inflight_seen = sum(loads[r].inflight for r in replicas)
         with self._pending_lock:
             # not reserved yet, or reserved after this read began (the read may miss it)
             held = sum(1 for t in self._pending.values() if t is None or t >= t0)
             self._prune_locked()
             return free - held
+
+    async def refuse_early(self, replicas: Callable[[], Sequence[str]]) -> None:
+        """Under sustained overload (``sustained_overload``), refuse a request that would
+        find no free slot before the ingress spends anything on it: the same 429 that
+        ``admit`` would give it at once, but before its body is rendered, tokenized and
+        hashed. Those steps take the event loop's render turn in arrival order, so under
+        overload a request bound for a refusal would otherwise wait behind every admitted
+        request's render first. A request that passes is admitted (or refused) by ``admit``
+        as before; this costs one more load read, and only while the overload holds.
+
+        Raises:
+            OpenAIError: 429 with ``Retry-After`` (counted as an arrival, reason
+                ``sustained_overload``).
+        """
+        if self.bound is None or not self.sustained_overload():
+            return
+        if self._queue or await self._room(replicas()) <= 0:
+            self._record(self._arrivals, time.monotonic())
+            metrics.inc("admission_refused", tags={"reason": "sustained_overload"})
+            raise overloaded(None, self.retry_after_s)
 
     async def admit(self, request_id: str, replicas: Callable[[], Sequence[str]],
                     priority: int = 0) -> float:
@@ -216,18 +333,28 @@ class Admission:
         self._record(self._arrivals, t0)
         if not self._queue:
             self._last_empty = time.monotonic()
-        if not self._queue and await self._room(replicas()) > 0 and not self._queue:
-            self._take(request_id)
-            self._record(self._grants, time.monotonic())
-            return 0.0
+        room = None
+        if not self._queue:
+            room = await self._room(replicas())
+            if room > 0 and not self._queue:
+                self._granted(request_id, time.monotonic())
+                return 0.0
         if self.sustained_overload():  # the excess is refused either way: at once
             metrics.inc("admission_refused", tags={"reason": "sustained_overload"})
             raise overloaded(None, self.retry_after_s)
         standing = not self._queue_empty_within(self.timeout_s)
         timeout = self.overloaded_timeout_s if standing else self.timeout_s
-        rate = self.drain_rate()
         ahead = sum(1 for e in self._queue if e[0] <= priority and not e[2].done())
-        if rate is not None and (ahead + 1) / rate > self.timeout_s:
+        # slots that must free before this request's: those of the requests ahead, and
+        # those admitted here but not yet counted in the shared load (room below 0)
+        needed = ahead + 1 + (max(-room, 0) if room is not None else 0)
+        likely = self.slot_probability(needed, timeout)
+        if likely is not None:
+            hopeless = likely < self.QUEUE_CONFIDENCE
+        else:
+            rate = self.drain_rate()
+            hopeless = rate is not None and needed / rate > self.timeout_s
+        if hopeless:
             metrics.inc("admission_refused", tags={"reason": "overloaded"})
             raise overloaded(self.timeout_s, self.retry_after_s)  # it would time out anyway
         loop = asyncio.get_running_loop()
@@ -249,6 +376,7 @@ class Admission:
             raise overloaded(timeout, self.retry_after_s) from None
         except asyncio.CancelledError:  # the client left while waiting
             self.reserved(request_id)  # a slot it was just given goes back
+            self._holds.pop(request_id, None)
             self._drop(entry)
             raise
         waited = time.monotonic() - t0
@@ -289,9 +417,8 @@ class Admission:
                 if room > 0 and self._queue and self._queue[0] is head \
                         and not head[2].done():
                     heapq.heappop(self._queue)
-                    self._take(head[3])
+                    self._granted(head[3], time.monotonic())
                     head[2].set_result(True)
-                    self._record(self._grants, time.monotonic())
                     if not self._queue:
                         self._last_empty = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - the load tracker falls back itself

@@ -20,8 +20,9 @@ from fastapi.responses import Response, StreamingResponse
 from router import metrics, tracing
 from router.logs import get_logger
 from router.routing.core import route_request
+from router.serve.engine_client import ENGINE_ERRORS
 from router.serve.errors import OpenAIError, no_replicas
-from router.serve.protocol import HOP_HEADERS, ReplicaHead, RoutedRequest
+from router.serve.protocol import ReplicaHead, RoutedRequest
 
 if TYPE_CHECKING:
     from router.serve.ingress import IngressCore
@@ -253,7 +254,7 @@ class Attempt:
                 await self._abort()
         finally:
             await self.core.load.release(self.req.request_id)
-            self.core.admission.released()  # a waiting request may take the slot
+            self.core.admission.released(self.req.request_id)  # a waiting request may take it
         refused = self.head is None or self.head.status >= 400
         if (refused or self.failed) and self.replica:  # the engine may not hold the prefix
             await self.core.forget_predictions(self.req, self.replica)
@@ -327,8 +328,6 @@ class DirectAttempt(Attempt):
     resp = None
 
     async def _open(self) -> ReplicaHead:
-        import httpx
-
         core, req = self.core, self.req
         infos = await core.replica_set()
         policy = core.policies.get(req.policy)
@@ -369,26 +368,22 @@ class DirectAttempt(Attempt):
         headers = {"content-type": "application/json"}
         if self.parent is not None:
             headers.update(self._trace_dispatch(_http_client_attributes(url + req.path)))
-        request = client.build_request("POST", url + req.path, content=req.body,
-                                       headers=headers)
         try:
-            self.resp = await client.send(request, stream=True)
-        except httpx.HTTPError as exc:
+            self.resp = await client.open("POST", url + req.path, req.body, headers)
+        except ENGINE_ERRORS as exc:
             return ReplicaHead(replica, 503, {}, retryable=True,
                                error=f"engine unreachable: {type(exc).__name__}",
                                predicted_cached_tokens=predicted)
-        headers = {k: v for k, v in self.resp.headers.items()
-                   if k.lower() not in HOP_HEADERS}
-        return ReplicaHead(replica, self.resp.status_code, headers,
-                           retryable=self.resp.status_code >= 500,
+        return ReplicaHead(replica, self.resp.status, self.resp.headers,
+                           retryable=self.resp.status >= 500,
                            predicted_cached_tokens=predicted)
 
     def _chunks(self) -> AsyncIterator[bytes]:
-        return self.resp.aiter_raw()
+        return self.resp.chunks()
 
     async def _abort(self) -> None:
         if self.resp is not None:
-            await self.resp.aclose()
+            await self.resp.close()
 
 
 def _http_client_attributes(url: str) -> dict:

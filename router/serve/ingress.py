@@ -53,8 +53,9 @@ from router.serve.dispatch import (
     ServeAttempt,
     abandon,
 )
+from router.serve.engine_client import ENGINE_ERRORS, EngineClient
 from router.serve.errors import OpenAIError, bad_request, invalid_body, no_replicas
-from router.serve.protocol import HOP_HEADERS, ReplicaHead, RoutedRequest, route_label
+from router.serve.protocol import ReplicaHead, RoutedRequest, route_label
 from router.serve.ratelimit import RateLimiter, max_output_tokens, request_tokens
 from router.serve.schemas import SCHEMAS, validation_message
 
@@ -127,7 +128,7 @@ class IngressCore:
     def _count_inflight(self, replica: str, delta: int) -> None:
         n = self.inflight.get(replica, 0) + delta
         self.inflight[replica] = n
-        metrics.get("inflight").set(n, tags={"replica": replica})
+        metrics.set_gauge("inflight", n, tags={"replica": replica})
         if self._gauges_task is None:
             self._gauges_task = asyncio.get_running_loop().create_task(self._keep_gauges())
 
@@ -138,7 +139,7 @@ class IngressCore:
         that left the deployment is set to 0 once and forgotten. ``router_replica_hash_mismatch``
         is set for every replica known now, and ``router_admission_waiting`` (with a bound),
         the same way."""
-        gauge, mismatch = metrics.get("inflight"), metrics.get("hash_mismatch")
+        mismatch = metrics.get("hash_mismatch")
         while True:
             await asyncio.sleep(period_s)
             if self.admission.bound is not None:
@@ -148,7 +149,7 @@ class IngressCore:
                              else 0, tags={"replica": info.replica_id})
             current = state.replica_ids()
             for replica, n in list(self.inflight.items()):
-                gauge.set(n, tags={"replica": replica})
+                metrics.set_gauge("inflight", n, tags={"replica": replica})
                 if current is not None and replica not in current and n == 0:
                     del self.inflight[replica]
 
@@ -346,6 +347,7 @@ class IngressCore:
         if self._replica_count() == 0:
             raise no_replicas()
         self.check_policy(policy)
+        await self.admission.refuse_early(self._usable_replica_ids)
         if self.warmup is not None:
             self.warmup.start()
         attempt_cls = self._attempt_class(data_path)
@@ -398,6 +400,9 @@ class IngressCore:
                 resp = await self._outcome(dispatch, head, body, attempt)
                 if resp is not None:
                     return resp
+        except BaseException:  # no answer: its slot's hold ends here if no dispatch ended it
+            self.admission.released(req.request_id)
+            raise
         finally:
             self.admission.reserved(req.request_id)  # also when it failed before routing
         raise AssertionError("unreachable: the second attempt always returns")
@@ -510,11 +515,13 @@ class IngressCore:
         """The pooled keep-alive HTTP client of the direct path, made on first use (on the
         ingress's own loop, which owns its connections)."""
         if self._engine_client is None:
-            import httpx
-            self._engine_client = httpx.AsyncClient(
-                timeout=httpx.Timeout(self.settings.request_timeout_s, connect=5.0),
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024))
+            self._engine_client = EngineClient(self.settings.request_timeout_s)
         return self._engine_client
+
+    async def close(self) -> None:
+        """Close the direct path's pooled engine connections (at the ingress's stop)."""
+        if self._engine_client is not None:
+            await self._engine_client.close()
 
     def routing_core(self):
         """The ``RoutingCore`` of the direct path, made on first use on the ingress's loop."""
@@ -534,7 +541,6 @@ class IngressCore:
             OpenAIError: 503 when no engine answered.
         """
         if self.settings.data_path == "direct":
-            import httpx
             infos = [i for i in await self.replica_set() if i.metadata.engine_url]
             up = [i for i in infos if i.stats.engine_alive is not False
                   and self.health.available(i.replica_id)]
@@ -543,16 +549,15 @@ class IngressCore:
             order = up[k:] + up[:k] + [i for i in infos if i not in up]
             for info in order[:3]:
                 try:
-                    r = await self.engine_client().request(
-                        method, info.metadata.engine_url + path, content=body,
-                        headers={"content-type": "application/json"}, timeout=30.0)
-                except httpx.HTTPError as exc:
+                    status, headers, data = await self.engine_client().call(
+                        method, info.metadata.engine_url + path, body,
+                        {"content-type": "application/json"}, timeout_s=30.0)
+                except ENGINE_ERRORS as exc:
                     logger.warning("%s %s on replica %s failed: %s", method, path,
                                    info.replica_id, exc)
                     continue
-                if r.status_code < 500:
-                    return r.status_code, {k: v for k, v in r.headers.items()
-                                           if k.lower() not in HOP_HEADERS}, r.content
+                if status < 500:
+                    return status, headers, data
         else:
             for _ in range(3):  # Serve picks a replica by load each time
                 try:

@@ -21,12 +21,14 @@ task that, every second or when a warm-up request ends:
 from __future__ import annotations
 
 import asyncio
+import json
 
 from router import metrics
 from router.clock import SystemClock
 from router.config import Settings
 from router.logs import get_logger
 from router.prompt.render import COMPLETIONS_PATH
+from router.serve.engine_client import ENGINE_ERRORS
 from router.routing.warmup import (ExtraKeys, HotPrefixes, MemoryWarmupLease,
                                    RedisWarmupLease, Warmer, WarmJob, WarmupPacer)
 from router.serve import state
@@ -144,8 +146,6 @@ class WarmupService:
 
     async def _post(self, job: WarmJob, info) -> None:
         """One warm-up request to ``info``'s engine; ``Warmer.finished`` either way."""
-        import httpx
-
         ok = False
         url = info.metadata.engine_url
         extra = job.prefix.extra
@@ -156,12 +156,15 @@ class WarmupService:
         try:
             if not url:
                 raise RuntimeError("the replica reports no engine URL")
-            r = await self.ingress.engine_client().post(url + COMPLETIONS_PATH, json=body)
-            ok = r.status_code == 200
+            status, _, data = await self.ingress.engine_client().call(
+                "POST", url + COMPLETIONS_PATH, json.dumps(body).encode(),
+                {"content-type": "application/json"})
+            ok = status == 200
             if not ok:
                 logger.warning("warm-up %s on replica %s: the engine answered %d: %s",
-                               job.request_id, info.replica_id, r.status_code, r.text[:200])
-        except (httpx.HTTPError, RuntimeError) as exc:
+                               job.request_id, info.replica_id, status,
+                               data[:200].decode(errors="replace"))
+        except (*ENGINE_ERRORS, RuntimeError) as exc:
             logger.warning("warm-up %s on replica %s failed: %s", job.request_id,
                            info.replica_id, exc)
         finally:

