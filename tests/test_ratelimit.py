@@ -91,6 +91,21 @@ async def test_redis_down_counts_in_this_process():
         await limiter.check(t, 1)
 
 
+async def test_redis_failing_mid_minute_checks_against_what_this_process_admitted():
+    """Two requests admitted through Redis, then Redis times out: the third is checked
+    against this process's own count of the two, and refused."""
+    conn = RedisConnections(REDIS_URL, 2.0)
+    clock = ManualClock(120.0 * (int(time.time()) // 120))
+    limiter = RateLimiter(conn, f"test-{uuid.uuid4().hex[:8]}", clock)
+    t = Tenant("acme", requests_per_minute=2)
+    await limiter.check(t, 1)
+    await limiter.check(t, 1)
+    limiter.conn = RedisConnections("redis://127.0.0.1:1/0", 0.05)  # Redis now fails
+    with pytest.raises(OpenAIError) as err:
+        await limiter.check(t, 1)
+    assert err.value.status == 429
+
+
 def test_a_requests_tokens_are_its_prompt_and_what_it_may_generate():
     assert max_output_tokens({"max_tokens": 100}) == 100
     assert max_output_tokens({"max_completion_tokens": 50, "max_tokens": 9, "n": 3}) == 150

@@ -9,7 +9,9 @@ is counted. The minute slides: two fixed windows, the previous one weighted by t
 it still inside the last 60 s (``lua/rate_limit.lua``, after Cloudflare's counting:
 blog.cloudflare.com/counting-things-a-lot-of-different-things). With Redis the counters are
 shared by every router process. Without Redis, or while Redis fails, each process counts
-its own requests, so the fleet's limit is then per process.
+its own requests, so the fleet's limit is then per process; a process also counts the
+requests Redis admitted, so a Redis call that fails or times out mid-minute is checked
+against this process's share of the minute, not against an empty counter.
 """
 
 from __future__ import annotations
@@ -76,11 +78,20 @@ class MemoryRateLimiter:
                   ) -> tuple[str, int, float] | None:
         """Count ``(kind, limit, cost)`` for ``tenant`` if all fit; else return the first
         kind over its limit with its use and the seconds until it may fit (-1: never)."""
+        return self._count(tenant, limits, check=True)
+
+    def record(self, tenant: str, limits: list[tuple[str, int, int]]) -> None:
+        """Count ``(kind, limit, cost)`` for ``tenant`` without checking (a request that
+        Redis admitted: this process's share, for when Redis fails)."""
+        self._count(tenant, limits, check=False)
+
+    def _count(self, tenant: str, limits: list[tuple[str, int, int]], check: bool
+               ) -> tuple[str, int, float] | None:
         now = self.clock.now()
         w = int(now // self.window_s)
         elapsed = now - w * self.window_s
         with self._lock:
-            for kind, limit, cost in limits:
+            for kind, limit, cost in limits if check else ():
                 curr = self._counts.get((tenant, kind, w), 0)
                 prev = self._counts.get((tenant, kind, w - 1), 0)
                 used = prev * (self.window_s - elapsed) / self.window_s + curr
@@ -130,6 +141,8 @@ class RateLimiter:
         if self.conn is not None:
             try:
                 over = await self._check_redis(tenant.name, limits)
+                if over is None:
+                    self.local.record(tenant.name, limits)
             except IndexUnavailable as exc:
                 logger.warning("rate limits counted in this process only (Redis: %s)", exc)
                 over = self.local.check_now(tenant.name, limits)
