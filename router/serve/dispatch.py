@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING, AsyncIterator
 
 from fastapi.responses import Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from router import metrics, tracing
 from router.logs import get_logger
@@ -398,7 +399,60 @@ def _http_client_attributes(url: str) -> dict:
     return out
 
 
-class GuardedStreamingResponse(StreamingResponse):
+class RelayResponse(StreamingResponse):
+    """Starlette's ``StreamingResponse``, relayed in the calling task while one watcher task
+    waits for the client's ``http.disconnect``; a disconnect cancels the relay, and the
+    response then ends normally (the body generator's ``finally`` and the subclasses'
+    ``close`` run as with Starlette's).
+
+    Why not Starlette's own: under ASGI spec 2.3 (what uvicorn and Ray Serve report) it
+    runs the relay and the watcher in an anyio task group, several times the CPU of this
+    one per response (``loadtest.relay_bench``; docs/benchmarks.md, "The streamed answer"),
+    a few percent of the ingress's CPU per request. Behaviour kept: the same messages are sent; a client that
+    leaves stops the relay at once (the engine call is then closed, and vLLM aborts the
+    request), whether or not a chunk is due.
+    """
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await super().__call__(scope, receive, send)
+            return
+        try:
+            await relay_until_disconnect(lambda: self.stream_response(send), receive)
+        except OSError as exc:  # a server of spec 2.4 raises on a send after a disconnect
+            raise ClientDisconnect() from exc
+
+
+async def relay_until_disconnect(relay, receive) -> None:
+    """Await ``relay()`` in this task while a watcher awaits ``receive()`` (ASGI) until
+    ``http.disconnect``; a disconnect during the relay cancels it, and this returns
+    normally. Cancellations from elsewhere propagate (``Task.uncancel``'s count)."""
+    task = asyncio.current_task()
+    state = {"relaying": True, "cut": False}
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        if state["relaying"]:  # never after the relay ended: no stray cancellation
+            state["cut"] = True
+            task.cancel()
+
+    watcher = asyncio.get_running_loop().create_task(watch())
+    try:
+        await relay()
+    except asyncio.CancelledError:
+        if state["cut"] and task.uncancel() == 0:
+            return  # the client left: the relay was cut on purpose
+        raise
+    else:
+        if state["cut"]:  # the relay swallowed the cancellation; it is ours, drop it
+            task.uncancel()
+    finally:
+        state["relaying"] = False
+        watcher.cancel()
+
+
+class GuardedStreamingResponse(RelayResponse):
     """A streaming response that closes its dispatch however the response ends, even when
     the client leaves before the first chunk (the body generator would then never start
     and its ``finally`` never run)."""
@@ -461,7 +515,7 @@ def abandon(answer: asyncio.Future) -> asyncio.Task:
     return reaper
 
 
-class KeepAliveStreamingResponse(StreamingResponse):
+class KeepAliveStreamingResponse(RelayResponse):
     """A streaming request's 200 sent before its answer exists, to keep idle proxies from
     cutting the connection while the request waits (``Settings.sse_keepalive_s``).
 
