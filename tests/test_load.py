@@ -3,6 +3,7 @@ in-process tracker, the Redis tracker on fakeredis, and on the real Redis."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 
@@ -70,6 +71,28 @@ async def test_prefill_done_takes_its_tokens_off_the_queue_once(load):
     await load.prefill_done("q1")  # a second first byte changes nothing
     a = await _load(load)
     assert (a.inflight, a.prefill_tokens) == (1, 0)
+
+
+async def test_a_first_byte_not_waited_for_reaches_the_shared_counts_or_goes_with_the_release(
+        load):
+    """``prefill_done_soon``: the shared counts learn of the first byte within
+    ``PREFILL_DONE_DELAY_S``; a release before then ends the prefill itself, and no write
+    for the first byte is left pending."""
+    await load.reserve("q1", "A", 500)
+    load.prefill_done_soon("q1")
+    load.prefill_done_soon("q1")  # a second first byte changes nothing
+    await asyncio.sleep(0.2)  # past the delay, and the write it starts
+    a = await _load(load)
+    assert (a.inflight, a.prefill_tokens) == (1, 0)
+    await load.reserve("q2", "A", 300)
+    load.prefill_done_soon("q2")
+    await load.release("q2")  # before the delay: the release takes its prefill off
+    assert not getattr(load, "_prefill_timers", None)
+    await load.release("q1")
+    await asyncio.sleep(0.2)
+    a = await _load(load)
+    assert (a.inflight, a.prefill_tokens) == (0, 0)
+    assert not getattr(load, "_writes", None)
 
 
 async def test_release_is_idempotent_and_never_goes_negative(load):

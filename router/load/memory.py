@@ -56,6 +56,9 @@ class MemoryLoadTracker(LoadTracker):
     async def prefill_done(self, request_id: str) -> None:
         self.prefill_done_now(request_id)
 
+    def prefill_done_soon(self, request_id: str) -> None:
+        self.prefill_done_now(request_id)
+
     def _release_locked(self, request_id: str) -> None:
         res = self._res.pop(request_id, None)
         if res is None:

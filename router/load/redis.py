@@ -88,6 +88,9 @@ class RedisLoadTracker(LoadTracker):
         # (corrected in ``loads``): reservations whose write failed, releases not taken
         self._unsynced: dict[str, Reservation] = {}
         self._stale: dict[str, Reservation] = {}
+        # first bytes whose shared write waits (``prefill_done_soon``), and writes running
+        self._prefill_timers: dict[str, asyncio.TimerHandle] = {}
+        self._writes: set[asyncio.Task] = set()
 
     def group_keys(self, group: int) -> list[str]:
         """``lua/lease.lua``'s KEYS in ``group``: its load hash and its lease hash."""
@@ -305,10 +308,15 @@ class RedisLoadTracker(LoadTracker):
         await self._release(request_id, owner)
 
     async def prefill_done(self, request_id: str) -> None:
+        self._prefill_done_here(request_id)
+        await self._write_prefill_done(request_id, self._owners.get(request_id, ""))
+
+    def _prefill_done_here(self, request_id: str) -> None:
         self.local.prefill_done_now(request_id)
         if request_id in self._unsynced:
             self._unsynced[request_id].prefill_done = True
-        owner = self._owners.get(request_id, "")
+
+    async def _write_prefill_done(self, request_id: str, owner: str) -> None:
         group = self.group_of_request(request_id)
         if group is None:
             return  # no lease in Redis (its reservation's write failed)
@@ -318,10 +326,37 @@ class RedisLoadTracker(LoadTracker):
         except IndexUnavailable:
             pass
 
+    # how long the shared write of a first byte waits for the release that would make
+    # it useless: an answer that is not streamed ends with its first byte, and a short
+    # stream soon after; other routers see the prefill queued that much longer
+    PREFILL_DONE_DELAY_S = 0.02
+
+    def prefill_done_soon(self, request_id: str) -> None:
+        """This process's counts at once; Redis's after ``PREFILL_DONE_DELAY_S`` unless
+        the request is released first (its release script takes the undone prefill off
+        the queue as well, so one round trip does both). Saves the ``prefill_done`` call
+        of every answer that is not streamed and of every stream that ends within the
+        delay (``loadtest.router_throughput``'s one-token answers)."""
+        self._prefill_done_here(request_id)
+        if request_id in self._prefill_timers:
+            return
+        owner = self._owners.get(request_id, "")  # this attempt's, not a later one's
+        self._prefill_timers[request_id] = asyncio.get_running_loop().call_later(
+            self.PREFILL_DONE_DELAY_S, self._prefill_done_due, request_id, owner)
+
+    def _prefill_done_due(self, request_id: str, owner: str) -> None:
+        self._prefill_timers.pop(request_id, None)
+        task = asyncio.ensure_future(self._write_prefill_done(request_id, owner))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
     async def release(self, request_id: str) -> None:
         """Release the request's lease. It must not be lost: a lease of a live router is
         never swept, so a release that fails (Redis slow or down) is kept and retried with
         every heartbeat until Redis takes it (docs/fault-cases.md 5.1)."""
+        timer = self._prefill_timers.pop(request_id, None)
+        if timer is not None:  # the release takes the prefill off the queue too
+            timer.cancel()
         held = self.local.reservation(request_id)
         self.local.release_now(request_id)
         owner = self._owners.pop(request_id, "")
@@ -388,5 +423,8 @@ class RedisLoadTracker(LoadTracker):
         self.local.reserve_now(request_id, replica, prefill_tokens)
 
     async def close(self) -> None:
+        for timer in self._prefill_timers.values():
+            timer.cancel()
+        self._prefill_timers.clear()
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()

@@ -232,7 +232,7 @@ class PromptRenderer:
                     conversation, tools=tools if tools else None, tokenize=False, **kwargs)
             # outside the lock (see SegmentEncoder.encode)
             ids, rest = self.segments.encode_head(text, head_chars)
-            return PromptInfo(token_ids=list(map(int, ids)), rest=rest)
+            return PromptInfo(token_ids=ids, rest=rest)  # a list of ints already
         else:
             with self._lock:
                 ids = self.tokenizer.apply_chat_template(

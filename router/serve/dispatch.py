@@ -198,7 +198,7 @@ class Attempt:
             async for chunk in self._chunks():
                 if not self.started_body:
                     self.started_body = True
-                    await self.core.load.prefill_done(self.req.request_id)
+                    self.core.load.prefill_done_soon(self.req.request_id)
                     ttft = time.perf_counter() - self.req.t_arrival
                     metrics.get("ttft").observe(ttft, tags={"route": self.route})
                     if self.span is not None:
