@@ -27,6 +27,7 @@ requests are never hashed here: the caller routes them by load (see ``router.pro
 from __future__ import annotations
 
 import hashlib
+import itertools
 import threading
 from array import array
 from collections import OrderedDict
@@ -124,21 +125,32 @@ class BlockHasher:
     """Computes vLLM's chained block hashes for token sequences under fixed settings.
 
     One instance per set of ``HashSettings``; it caches the chain root, and the digests of
-    the ``recent`` last prompts without extra keys, keyed by their first block: a prompt
-    that shares full blocks with one of them (the next turn of a conversation, another
-    request with the same system prompt) reuses their digests, since a block's digest
-    depends only on the tokens up to its end. Thread-safe (the cache under a lock).
+    the ``recent`` last prompts without extra keys: a prompt that shares full blocks with
+    one of them (the next turn of a conversation, another request with the same system
+    prompt) reuses their digests, since a block's digest depends only on the tokens up to
+    its end. A cached prompt is found by its digest at every ``CHECKPOINT``-th block (0,
+    4, 8, ...), the newest prompt holding each: a new prompt looks up its first block,
+    takes the blocks it shares with that prompt, computes at most ``CHECKPOINT`` more
+    digests to its next checkpoint, and looks again there. So a conversation's next turn
+    finds its own previous turn even when another conversation with the same system prompt
+    came in between (keyed by the first block alone, it found only the latest of them and
+    recomputed its own history after the system prompt). Thread-safe (the cache under a
+    lock).
     """
+
+    CHECKPOINT = 4  # blocks between the digests a cached prompt is found by
 
     def __init__(self, settings: HashSettings, recent: int = 1024,
                  recent_tokens: int = 2_000_000):
         self.settings = settings
         self._fn = _HASH_FUNCTIONS[settings.hash_algo]
         self.none_hash: bytes = self._fn(settings.seed)
-        # first-block digest -> (token ids as 8-byte words, digests, index keys); at most
-        # ``recent`` prompts and ``recent_tokens`` tokens (about 60 bytes per token held)
-        self._recent: OrderedDict[bytes, tuple[bytes, list[bytes], list[BlockHash]]] = \
-            OrderedDict()
+        # cached prompts, oldest first: id -> [token ids as 8-byte words, digests, index
+        # keys, checkpoints pointing at it]; at most ``recent`` prompts and
+        # ``recent_tokens`` tokens (about 60 bytes per token held)
+        self._recent: OrderedDict[int, list] = OrderedDict()
+        self._at: dict[bytes, int] = {}  # checkpoint digest -> the newest prompt holding it
+        self._ids = itertools.count()
         self._recent_max = recent
         self._recent_bytes_max = 8 * recent_tokens
         self._recent_bytes = 0
@@ -205,40 +217,68 @@ class BlockHasher:
         return digests, [to_block_hash(d) for d in digests]
 
     def _plain_chain(self, ids: list[int], packed: bytes) -> tuple[list[bytes], list[BlockHash]]:
-        """``_chain`` without extra keys, reusing the blocks shared with the recent prompt of
-        the same first block (``packed``: ``ids`` as 8-byte words, compared by memcmp)."""
-        bs = self.settings.block_size
+        """``_chain`` without extra keys, reusing the blocks shared with recent prompts
+        (``packed``: ``ids`` as 8-byte words, compared by memcmp), found at checkpoints."""
+        bs, step = self.settings.block_size, self.CHECKPOINT
+        width = 8 * bs
         n = len(ids) // bs
         first = self.block_digest(None, ids[:bs])
-        with self._lock:
-            known = self._recent.get(first)
         digests, keys = [first], [to_block_hash(first)]
-        if known is not None:
-            old_packed, old_digests, old_keys = known
-            width = 8 * bs
-            lo, hi = 1, min(n, len(old_digests))  # the longest run of equal leading blocks
-            if packed[:hi * width] == old_packed[:hi * width]:
-                lo = hi
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if packed[:mid * width] == old_packed[:mid * width]:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            digests, keys = old_digests[:lo], old_keys[:lo]
-        parent = digests[-1]
-        for i in range(len(digests), n):
-            parent = self.block_digest(parent, ids[i * bs:(i + 1) * bs])
+        while True:
+            pos = len(digests) - 1  # blocks 0..pos are known
+            if pos % step == 0:
+                with self._lock:
+                    entry = self._recent.get(self._at.get(digests[pos], -1))
+                if entry is not None and len(entry[1]) > pos + 1 \
+                        and entry[1][pos] == digests[pos]:
+                    old_packed = entry[0]
+                    lo, hi = pos + 1, min(n, len(entry[1]))  # equal leading blocks: >= lo
+                    if packed[lo * width:hi * width] == old_packed[lo * width:hi * width]:
+                        lo = hi
+                    while lo < hi:
+                        mid = (lo + hi + 1) // 2
+                        if packed[lo * width:mid * width] == old_packed[lo * width:mid * width]:
+                            lo = mid
+                        else:
+                            hi = mid - 1
+                    if lo > pos + 1:
+                        digests = digests + entry[1][pos + 1:lo]
+                        keys = keys + entry[2][pos + 1:lo]
+                        continue
+            if len(digests) >= n:
+                break
+            i = len(digests)
+            parent = self.block_digest(digests[-1], ids[i * bs:(i + 1) * bs])
             digests.append(parent)
             keys.append(to_block_hash(parent))
+        self._remember(packed, digests, keys)
+        return list(digests), list(keys)
+
+    def _remember(self, packed: bytes, digests: list[bytes], keys: list[BlockHash]) -> None:
+        """Cache a prompt under its checkpoints (it replaces older prompts there; a prompt
+        left with no checkpoint goes), then evict the oldest past the bounds."""
+        checkpoints = digests[::self.CHECKPOINT]
         with self._lock:
-            old = self._recent.pop(first, None)
-            if old is not None:
-                self._recent_bytes -= len(old[0])
-            self._recent[first] = (packed, digests, keys)
+            eid = next(self._ids)
+            for d in checkpoints:
+                old = self._at.get(d)
+                self._at[d] = eid
+                if old is not None:
+                    entry = self._recent.get(old)
+                    if entry is not None:
+                        entry[3] -= 1
+                        if entry[3] <= 0:
+                            self._drop_locked(old)
+            self._recent[eid] = [packed, digests, keys, len(checkpoints)]
             self._recent_bytes += len(packed)
             while self._recent and (len(self._recent) > self._recent_max
                                     or self._recent_bytes > self._recent_bytes_max):
-                _, (gone, _, _) = self._recent.popitem(last=False)
-                self._recent_bytes -= len(gone)
-        return list(digests), list(keys)
+                self._drop_locked(next(iter(self._recent)))
+
+    def _drop_locked(self, eid: int) -> None:
+        """Forget cached prompt ``eid`` and the checkpoints still pointing at it."""
+        packed, digests, _, _ = self._recent.pop(eid)
+        self._recent_bytes -= len(packed)
+        for d in digests[::self.CHECKPOINT]:
+            if self._at.get(d) == eid:
+                del self._at[d]

@@ -113,6 +113,35 @@ def test_reused_digests_of_recent_prompts_equal_a_fresh_chain():
     assert hasher.block_hashes([-1] * 32) == _reference(hasher, [-1] * 32)
 
 
+def test_a_conversations_next_turn_reuses_its_own_history_after_others_came_between():
+    """Conversations sharing a system prompt take turns: each turn computes the digest of
+    its first block, at most ``CHECKPOINT`` more to reach its own previous turn, and its
+    new blocks, not its whole history after the system prompt (the cache found by first
+    block alone held only the other conversation's latest turn)."""
+    import random
+    rng = random.Random(7)
+    hasher = BlockHasher(HashSettings(block_size=16, hash_algo="xxhash_cbor", seed="0"))
+    computed = 0
+    digest = hasher.block_digest
+
+    def counting(*args):
+        nonlocal computed
+        computed += 1
+        return digest(*args)
+
+    hasher.block_digest = counting
+    system = [rng.randrange(50_000) for _ in range(16 * 37 + 5)]
+    convs = [list(system) for _ in range(4)]
+    for turn in range(6):
+        for c in convs:
+            c += [rng.randrange(50_000) for _ in range(16 * 3)]  # 3 new blocks a turn
+            computed = 0
+            got, used = hasher.block_hashes(c), computed
+            assert got == _reference(hasher, c)
+            if turn > 0:
+                assert used <= 1 + BlockHasher.CHECKPOINT + 4, (turn, used)
+
+
 def test_recent_prompt_cache_stays_within_its_token_budget():
     h = BlockHasher(HashSettings(block_size=16, hash_algo="xxhash_cbor", seed="0"),
                     recent=100, recent_tokens=200)
