@@ -216,3 +216,18 @@ async def test_a_prompt_longer_than_luas_unpack_limit_is_recorded_and_matched(in
     hashes = list(range(1, 20001))
     await index.record_predicted("A", hashes, ttl_s=60)
     assert (await index.lookup(hashes, ["A", "B"])) == {"A": 20000, "B": 0}
+
+
+def test_commands_packed_by_hiredis_equal_redis_pys_own_packing():
+    """``hiredis_packed``: the router's commands, multi-word commands, memoryviews and
+    numbers give the bytes redis-py's pure-Python packer gives."""
+    from redis.asyncio.connection import Connection
+
+    from router.index.redis import hiredis_packed
+
+    fast, plain = hiredis_packed(Connection)(), Connection()
+    assert type(fast) is not Connection  # hiredis is a dependency
+    for args in [("EVALSHA", "ab" * 20, 3, "k1", b"k2", "k3", 1.5, -7, "é"),
+                 ("CLIENT SETNAME", "router"), ("SET", memoryview(b"k"), bytearray(b"v")),
+                 ("HMGET", "h", *[str(i) for i in range(100)])]:
+        assert b"".join(fast.pack_command(*args)) == b"".join(plain.pack_command(*args)), args

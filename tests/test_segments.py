@@ -69,6 +69,24 @@ def test_cache_stays_within_its_character_budget(renderer):
     assert 0 < enc._chars <= 5_000 and len(enc._cache) < 50
 
 
+def test_short_pieces_are_kept_in_a_bounded_table_with_the_tokenizers_ids(renderer):
+    """Pieces under ``min_chars`` (role names, short messages) are encoded once and then
+    looked up; the table is emptied when full, whatever clients send."""
+    tok = renderer.tokenizer
+    enc = SegmentEncoder(tok, min_chars=32)
+    enc.SHORT_MAX = 50
+    text = "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
+    want = tok.encode(text, add_special_tokens=False)
+    assert enc.encode(text) == want and "user\nhi there" in enc._short
+    enc._backend = None  # a second encode must not need the tokenizer
+    assert enc.encode(text) == want
+    enc._backend = tok._tokenizer
+    for i in range(500):
+        piece = f"word {i} ü"
+        assert enc.encode(piece) == tok.encode(piece, add_special_tokens=False)
+        assert len(enc._short) <= 50
+
+
 def test_tokenizers_whose_added_tokens_strip_whitespace_are_encoded_whole(model_dir):
     from tokenizers import AddedToken
     from transformers import AutoTokenizer

@@ -49,6 +49,7 @@ def hiredis_packed(connection_class: type) -> type:
     route script takes 40-60 arguments: packing was 8 % of the ingress's CPU per request in
     ``loadtest.router_throughput``'s profile."""
     try:
+        import hiredis
         from redis.connection import HiredisRespSerializer
         from redis.utils import HIREDIS_AVAILABLE
     except ImportError:
@@ -56,9 +57,18 @@ def hiredis_packed(connection_class: type) -> type:
     if not HIREDIS_AVAILABLE:
         return connection_class
     packer = HiredisRespSerializer()
+    pack_command = hiredis.pack_command
 
     class Packed(connection_class):
         def pack_command(self, *args):
+            # the router's commands (one word, str / bytes / numbers) straight to hiredis;
+            # the serializer's checks and conversions for the rest (multi-word commands
+            # such as "CLIENT SETNAME", memoryviews), and for what hiredis refuses
+            if isinstance(args[0], str) and " " not in args[0]:
+                try:
+                    return [pack_command(args)]
+                except TypeError:
+                    pass
             return packer.pack(*args)
 
     Packed.__name__ = Packed.__qualname__ = "Hiredis" + connection_class.__name__

@@ -112,18 +112,22 @@ class SegmentEncoder:
             held as 4-byte words, about 2.5 bytes per character), each piece counted
             ``ENTRY_CHARS`` more for its entry's own objects (about 250 bytes: the string,
             the array, the dictionary slot); least recently used pieces go first.
-        min_chars: pieces shorter than this are encoded, not cached (a message of a few
+        min_chars: pieces shorter than this are not in the LRU cache (a message of a few
             hundred characters costs 30-60 us to encode against under 1 us to look up, and
-            a conversation sends each of its messages again with every turn).
+            a conversation sends each of its messages again with every turn); they are
+            kept in a plain table of at most ``SHORT_MAX`` pieces, emptied when full (the
+            role names and short messages of every chat, about 8 us each to encode).
         chunk_chars: chunk length of long pieces encoded in parallel (0: never).
     """
 
     ENTRY_CHARS = 100  # a cached piece's own objects, in characters of the bound (~250 B)
+    SHORT_MAX = 16384  # short pieces kept (under ``min_chars`` each: a few MB at most)
 
     def __init__(self, tokenizer, max_chars: int = 8_000_000, min_chars: int = 32,
                  chunk_chars: int = 4096):
         self.max_chars, self.min_chars, self.chunk_chars = max_chars, min_chars, chunk_chars
         self._cache: OrderedDict[str, array] = OrderedDict()
+        self._short: dict[str, list[int]] = {}  # pieces under min_chars (no lock: the GIL)
         self._cache_lock = threading.Lock()  # encoding itself runs outside any lock
         self._chars = 0
         self.hits = self.misses = 0
@@ -300,7 +304,7 @@ class SegmentEncoder:
         encoding would have to tokenize (short ones, and long ones not in the cache)."""
         with self._cache_lock:
             return sum(len(p) for p in parts[start::2]
-                       if len(p) < self.min_chars or p not in self._cache)
+                       if p not in (self._short if len(p) < self.min_chars else self._cache))
 
     def _cached(self, piece: str) -> array | None:
         with self._cache_lock:
@@ -308,7 +312,13 @@ class SegmentEncoder:
 
     def _piece(self, piece: str) -> list[int] | array:
         if len(piece) < self.min_chars:
-            return self._backend.encode(piece, add_special_tokens=False).ids
+            ids = self._short.get(piece)
+            if ids is None:
+                ids = self._backend.encode(piece, add_special_tokens=False).ids
+                if len(self._short) >= self.SHORT_MAX:  # bounded whatever clients send
+                    self._short.clear()
+                self._short[piece] = ids
+            return ids
         with self._cache_lock:
             ids = self._cache.get(piece)
             if ids is not None:
