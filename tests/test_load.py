@@ -95,6 +95,33 @@ async def test_a_first_byte_not_waited_for_reaches_the_shared_counts_or_goes_wit
     assert not getattr(load, "_writes", None)
 
 
+async def test_a_failed_release_after_a_deferred_first_byte_leaves_no_prefill_in_view():
+    """The first byte's write was deferred and the release's Redis call fails: Redis still
+    counts the prefill as queued, and this router's corrected view takes it off too."""
+    from router.index.base import IndexUnavailable
+    conn = RedisConnections(REDIS_URL, 2.0)
+    t = RedisLoadTracker(conn, f"test-load-{uuid.uuid4().hex[:8]}",
+                         clock=ManualClock(time.time()))
+    await t.reserve("q", "A", 500)
+    t.prefill_done_soon("q")
+    real = t._release
+
+    async def failing(*args):
+        raise IndexUnavailable("timeout")
+
+    t._release = failing
+    await t.release("q")  # within the delay: the first byte never reached Redis
+    t._release = real
+    a = await _load(t)
+    assert (a.inflight, a.prefill_tokens) == (0, 0) and t.pending_releases == {"q"}
+    await t.retry_releases()
+    a = await _load(t)
+    assert (a.inflight, a.prefill_tokens) == (0, 0) and not t.pending_releases
+    for key in t.group_keys(0):
+        await conn.client().delete(key)
+    await t.close()
+
+
 async def test_release_is_idempotent_and_never_goes_negative(load):
     await load.reserve("q1", "A", 500)
     await load.reserve("q2", "A", 0)  # a lease of no prefill tokens (fully cached)

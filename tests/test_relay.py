@@ -97,3 +97,30 @@ async def test_a_cancellation_from_elsewhere_propagates(also_disconnect):
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
+
+
+async def test_a_failing_receive_cuts_the_relay_and_raises_as_starlette_does():
+    """The server's ``receive`` fails (Serve's proxy went away): the relay stops, its body
+    is closed, and the error is raised, not swallowed."""
+    state = {"closed": False}
+    sent = []
+
+    async def receive():
+        await asyncio.sleep(0.01)
+        raise RuntimeError("proxy gone")
+
+    async def send(message):
+        sent.append(message)
+
+    async def body():
+        try:
+            while True:
+                yield b"data: x\n\n"
+                await asyncio.sleep(0.005)
+        finally:
+            state["closed"] = True
+
+    with pytest.raises(RuntimeError, match="proxy gone"):
+        await asyncio.wait_for(RelayResponse(body())(SCOPE, receive, send), 5)
+    assert state["closed"] and len(sent) < 20
+    assert asyncio.current_task().cancelling() == 0

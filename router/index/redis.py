@@ -64,7 +64,8 @@ def hiredis_packed(connection_class: type) -> type:
             # the router's commands (one word, str / bytes / numbers) straight to hiredis;
             # the serializer's checks and conversions for the rest (multi-word commands
             # such as "CLIENT SETNAME", memoryviews), and for what hiredis refuses
-            if isinstance(args[0], str) and " " not in args[0]:
+            if isinstance(args[0], str) and " " not in args[0] \
+                    and memoryview not in map(type, args):  # hiredis packs a strided one wrong
                 try:
                     return [pack_command(args)]
                 except TypeError:

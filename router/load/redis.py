@@ -358,6 +358,8 @@ class RedisLoadTracker(LoadTracker):
         if timer is not None:  # the release takes the prefill off the queue too
             timer.cancel()
         held = self.local.reservation(request_id)
+        if held is not None and timer is not None:
+            held.prefill_done = False  # as Redis holds it: its first byte was never sent
         self.local.release_now(request_id)
         owner = self._owners.pop(request_id, "")
         if self._unsynced.pop(request_id, None) is not None:
@@ -426,5 +428,7 @@ class RedisLoadTracker(LoadTracker):
         for timer in self._prefill_timers.values():
             timer.cancel()
         self._prefill_timers.clear()
+        for task in list(self._writes):
+            task.cancel()
         if self._heartbeat_task is not None:
             self._heartbeat_task.cancel()

@@ -408,45 +408,77 @@ class RelayResponse(StreamingResponse):
     Why not Starlette's own: under ASGI spec 2.3 (what uvicorn and Ray Serve report) it
     runs the relay and the watcher in an anyio task group, several times the CPU of this
     one per response (``loadtest.relay_bench``; docs/benchmarks.md, "The streamed answer"),
-    a few percent of the ingress's CPU per request. Behaviour kept: the same messages are sent; a client that
-    leaves stops the relay at once (the engine call is then closed, and vLLM aborts the
-    request), whether or not a chunk is due.
+    a few percent of the ingress's CPU per request. Behaviour kept: the same messages are
+    sent; a client that leaves stops the relay at once (the engine call is then closed, and
+    vLLM aborts the request), whether or not a chunk is due; a failing ``receive`` stops it
+    and raises; an ``OSError`` becomes ``ClientDisconnect`` under spec 2.4 only.
     """
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await super().__call__(scope, receive, send)
             return
+        spec = tuple(map(int, scope.get("asgi", {}).get("spec_version", "2.0").split(".")))
         try:
             await relay_until_disconnect(lambda: self.stream_response(send), receive)
         except OSError as exc:  # a server of spec 2.4 raises on a send after a disconnect
+            if spec < (2, 4):
+                raise
             raise ClientDisconnect() from exc
+        if self.background is not None:
+            await self.background()
+
+
+RECUT_S = 0.01  # how often a disconnect cancels a relay again while it still runs (s)
 
 
 async def relay_until_disconnect(relay, receive) -> None:
     """Await ``relay()`` in this task while a watcher awaits ``receive()`` (ASGI) until
-    ``http.disconnect``; a disconnect during the relay cancels it, and this returns
-    normally. Cancellations from elsewhere propagate (``Task.uncancel``'s count)."""
+    ``http.disconnect``; a disconnect during the relay cancels it (again every
+    ``RECUT_S`` while it runs on, as anyio's cancel scopes do), and this returns normally.
+    Cancellations from elsewhere propagate (``Task.uncancel``'s count).
+
+    Raises:
+        Exception: what ``receive()`` raised (the relay is cut first), as Starlette's task
+            group raises it; and what ``relay()`` raises.
+    """
     task = asyncio.current_task()
-    state = {"relaying": True, "cut": False}
+    state = {"relaying": True, "cuts": 0, "error": None}
 
     async def watch() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-        if state["relaying"]:  # never after the relay ended: no stray cancellation
-            state["cut"] = True
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except Exception as exc:  # the server's receive failed: stop relaying, raise it
+            state["error"] = exc
+        while state["relaying"]:  # never after the relay ended: no stray cancellation
+            state["cuts"] += 1
             task.cancel()
+            await asyncio.sleep(RECUT_S)
+
+    def drop_cuts() -> int:
+        """Take back this watcher's cancellations; returns the others' still pending."""
+        left = task.cancelling()
+        for _ in range(state["cuts"]):
+            left = task.uncancel()
+        return left
 
     watcher = asyncio.get_running_loop().create_task(watch())
     try:
         await relay()
     except asyncio.CancelledError:
-        if state["cut"] and task.uncancel() == 0:
+        if state["cuts"] and drop_cuts() == 0:
+            if state["error"] is not None:
+                raise state["error"]
             return  # the client left: the relay was cut on purpose
         raise
+    except BaseException:
+        if state["cuts"]:  # the relay turned the cut into another error
+            drop_cuts()
+        raise
     else:
-        if state["cut"]:  # the relay swallowed the cancellation; it is ours, drop it
-            task.uncancel()
+        if state["cuts"]:  # the relay swallowed the cancellations; they are ours
+            drop_cuts()
     finally:
         state["relaying"] = False
         watcher.cancel()

@@ -72,6 +72,7 @@ class MemoryRateLimiter:
         self.clock = clock or SystemClock()
         self.window_s = window_s
         self._counts: dict[tuple[str, str, int], int] = {}
+        self._pruned_w = -1  # the window whose start last pruned the counts
         self._lock = threading.Lock()
 
     def check_now(self, tenant: str, limits: list[tuple[str, int, int]]
@@ -99,8 +100,10 @@ class MemoryRateLimiter:
                     return kind, int(used), (-1.0 if cost > limit else self.window_s - elapsed)
             for kind, _, cost in limits:
                 self._counts[(tenant, kind, w)] = self._counts.get((tenant, kind, w), 0) + cost
-            for key in [k for k in self._counts if k[2] < w - 1]:
-                del self._counts[key]
+            if w != self._pruned_w:  # once per window: old windows' counts go
+                self._pruned_w = w
+                for key in [k for k in self._counts if k[2] < w - 1]:
+                    del self._counts[key]
         return None
 
 
