@@ -20,6 +20,15 @@ OK = {"id": "c", "object": "text_completion", "choices": [{"index": 0, "text": "
       "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}
 
 
+async def _serve(app: web.Application) -> tuple[web.AppRunner, int]:
+    """Start ``app`` on a free loopback port: its runner (``cleanup()`` stops it) and port."""
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]
+
+
 class _Engines:
     """Two engines, ``a`` and ``b``, each an aiohttp server on a loopback port; those in
     ``broken`` send their head and then reset the connection; ``calls`` lists who was
@@ -35,11 +44,7 @@ class _Engines:
         for name in ("a", "b"):
             app = web.Application()
             app.router.add_post(COMPLETIONS_PATH, self._handler(name))
-            runner = web.AppRunner(app)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            port = site._server.sockets[0].getsockname()[1]
+            runner, port = await _serve(app)
             self.runners.append(runner)
             self.urls[name] = f"http://127.0.0.1:{port}"
 
@@ -163,11 +168,7 @@ async def test_an_answer_that_stalls_past_the_read_timeout_closes_its_connection
 
     app = web.Application()
     app.router.add_post(COMPLETIONS_PATH, stall)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    runner, port = await _serve(app)
     client = EngineClient(0.3)
     try:
         resp = await client.open("POST", f"http://127.0.0.1:{port}{COMPLETIONS_PATH}",
@@ -204,11 +205,7 @@ async def test_the_engine_client_relays_a_redirect_and_repeated_headers_as_the_e
     app = web.Application()
     app.router.add_post(COMPLETIONS_PATH, redirect)
     app.router.add_route("*", "/elsewhere", elsewhere)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]
+    runner, port = await _serve(app)
     client = EngineClient(5.0)
     try:
         status, headers, _ = await client.call(

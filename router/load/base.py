@@ -18,8 +18,6 @@ Backends beside this interface: ``memory.py`` (in-process, the default) and ``re
 
 from __future__ import annotations
 
-import asyncio
-
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
@@ -42,9 +40,6 @@ class Reservation:
     prefill_done: bool = False
 
 
-_PENDING: set[asyncio.Task] = set()  # prefill_done_soon's tasks (the loop keeps weak refs)
-
-
 class LoadTracker(ABC):
     """Reservations of load per replica. All methods are coroutines and never block."""
 
@@ -60,13 +55,11 @@ class LoadTracker(ABC):
     async def prefill_done(self, request_id: str) -> None:
         """The request's first token arrived: its prefill tokens leave the queue."""
 
+    @abstractmethod
     def prefill_done_soon(self, request_id: str) -> None:
         """``prefill_done`` without waiting for it (the relay of the first byte goes on at
         once); a tracker that shares its counts may send them a little later, or not at
         all when the release comes first (it ends the prefill too). Never raises."""
-        task = asyncio.ensure_future(self.prefill_done(request_id))
-        _PENDING.add(task)
-        task.add_done_callback(_PENDING.discard)
 
     @abstractmethod
     async def release(self, request_id: str) -> None:
