@@ -216,6 +216,38 @@ def test_a_negative_shared_count_does_not_draw_every_request():
     assert p.choose(req, cands).replica == "b"  # tie at zero: the oldest assignment
 
 
+def test_assignments_one_redis_millisecond_apart_tie_as_in_the_route_script():
+    """Seen in CI (the shadow test's live copy chose another replica than lua/route.lua):
+    Redis keeps the last assignment in integer ms and the script ties stamps 1 ms apart;
+    here they arrive as ``ms / 1000``, and 3 pairs in 10 differed by just over 0.001 s in
+    a float. Both stamps must be finalists, so the draw picks as the script's does."""
+    base = 1_764_829_680_000
+    pairs = [(base + i, base + i + 1) for i in range(200)
+             if (base + i + 1) / 1000 > (base + i) / 1000 + 0.001]  # the float's rounding
+    assert pairs  # such stamps exist at today's epoch
+    req = RouteRequest(prompt_tokens=300, block_size=32, num_blocks=9)
+    for early, late in pairs[:20]:
+        cands = [Candidate("a", load=ReplicaLoad(0, 0, early / 1000)),
+                 Candidate("b", load=ReplicaLoad(0, 0, late / 1000))]
+        # u = 0.9 picks the second finalist: "b" only when both are finalists
+        picks = {PrefixAware(_FixedDraw(0.9)).choose(req, cands).replica}
+        assert picks == {"b"}, (early, late)
+    far = [Candidate("a", load=ReplicaLoad(0, 0, base / 1000)),
+           Candidate("b", load=ReplicaLoad(0, 0, (base + 2) / 1000))]
+    assert PrefixAware(_FixedDraw(0.9)).choose(req, far).replica == "a"  # 2 ms: no tie
+
+
+class _FixedDraw(random.Random):
+    """A random source whose every draw is ``u``."""
+
+    def __init__(self, u: float):
+        super().__init__(0)
+        self.u = u
+
+    def random(self) -> float:
+        return self.u
+
+
 def test_the_admission_bound_caps_the_load_bound():
     """With max_inflight (the admission bound), a replica at it is passed over while another
     has a free slot, even where its cache makes it the cheapest: admission counted that

@@ -68,6 +68,11 @@ class PrefixAware(Policy):
     """
 
     name = "prefix_aware"
+    #: Assignments this close count as simultaneous: 1 ms, as ``lua/route.lua`` compares
+    #: Redis's integer milliseconds (``last <= oldest + 1``). The extra microsecond absorbs
+    #: the rounding of ``ms / 1000`` in a float (its spacing is 2.4e-7 s at today's epoch),
+    #: without which 3 in 10 pairs of stamps 1 ms apart were a tie in Redis and not here.
+    LAST_ASSIGNED_TIE_S = 0.001 + 1e-6
     uses_index = True
 
     def __init__(self, rng: random.Random | None = None, tie_abs_s: float = 0.002,
@@ -136,7 +141,8 @@ class PrefixAware(Policy):
         fewest = min(max(c.load.inflight, 0) for c in ties)
         ties = [c for c in ties if max(c.load.inflight, 0) == fewest]
         oldest = min(c.load.last_assigned_s for c in ties)
-        finalists = [c for c in ties if c.load.last_assigned_s <= oldest + 0.001]
+        finalists = [c for c in ties
+                     if c.load.last_assigned_s <= oldest + self.LAST_ASSIGNED_TIE_S]
         pick = finalists[int(self.rng.random() * len(finalists))]  # as lua/route.lua does
         rest = sorted((c for c in candidates if c is not pick),
                       key=lambda c: (costs[c.replica], c.load.last_assigned_s))
