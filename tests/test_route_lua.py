@@ -140,6 +140,40 @@ async def test_predicted_entries_are_written_past_the_exact_run_and_expired_ones
     assert await client.hlen(index.keys.predicted("a")) <= live_bound + 8
 
 
+@pytest.mark.parametrize("writer", ["route", "record_predicted"])
+async def test_a_finished_sweep_pass_pauses_a_second_by_the_routers_clock(redis_pair, writer):
+    """A sweep pass over a small predicted hash (HSCAN returns a listpack whole) ends at
+    once; the next starts a second later by the router's clock, not on every write (it cost
+    a third of the route's Redis time). A pause mark further ahead than a second (a router
+    whose clock ran ahead) is due at once."""
+    index, load, clock = redis_pair
+    p, atomic, client = PrefixAware(), AtomicRoute(index, load), index.conn.client()
+    key = index.keys.predicted("a")
+    n = 0
+
+    async def write(ttl_s: float) -> None:
+        nonlocal n
+        n += 1
+        hashes = [random.getrandbits(64) for _ in range(8)]
+        if writer == "route":
+            await atomic.route(f"s{n}", 8 * BS, hashes, ["a"], [ttl_s], **route_kwargs(p, 0.0))
+            await load.release(f"s{n}")
+        else:
+            await index.record_predicted("a", hashes, ttl_s)
+
+    await write(0.2)  # its pass ends at once: the next may start 1 s later
+    clock.advance(0.5)
+    await write(0.2)  # the first write's entries expired, but the sweep is paused
+    assert await client.hlen(key) == 16
+    clock.advance(0.6)
+    await write(0.2)  # 1.1 s after the pass: a new pass removes both expired writes
+    assert await client.hlen(key) == 8
+    clock.advance(0.5)
+    await client.set(key + ":cursor", f"@{int(clock.now() * 1000) + 600_000}")
+    await write(0.2)  # a mark 10 minutes ahead is due at once
+    assert await client.hlen(key) == 8
+
+
 async def test_a_prompt_sent_again_refreshes_its_predicted_entries_once_per_half_ttl(
         redis_pair):
     """Predicted entries with half their TTL left are not written again: a conversation's

@@ -4,7 +4,8 @@
 -- 8 bytes each, big-endian (router/redis_keys.py pack_hashes)
 -- An entry's expiry only moves later. The hash itself expires with its latest entry; while
 -- it lives, each call also scans a few fields and deletes expired ones, so its size stays
--- bounded by the TTL times the rate of new blocks.
+-- bounded by the TTL times the rate of new blocks. A pass of that sweep ends when its
+-- cursor comes back to 0, and the next starts SWEEP_PAUSE_MS later (route.lua's sweep).
 local key, expiry, now = KEYS[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local hs = {}
 local packed = ARGV[4]
@@ -29,11 +30,22 @@ end
 redis.call('PEXPIREAT', key, expiry, 'GT')
 if redis.call('PTTL', key) == -1 then redis.call('PEXPIREAT', key, expiry) end
 redis.call('SADD', KEYS[2], ARGV[1])
--- amortised sweep: continue a cursor kept beside the hash
+-- amortised sweep: continue the pass whose cursor is kept beside the hash; a finished
+-- pass leaves "@<ms>" there, when the next may start (due at once if further ahead than
+-- one pause: a router whose clock runs ahead wrote it)
+local SWEEP_PAUSE_MS = 1000
 local ckey = key .. ':cursor'
-local res = redis.call('HSCAN', key, redis.call('GET', ckey) or '0', 'COUNT', 64)
+local cursor = redis.call('GET', ckey) or '0'
+local resume = tonumber(string.match(cursor, '^@(%d+)$'))
+if resume and now < resume and resume <= now + SWEEP_PAUSE_MS then return #hs end
+if resume then cursor = '0' end
+local res = redis.call('HSCAN', key, cursor, 'COUNT', 64)
 for k = 1, #res[2], 2 do
   if tonumber(res[2][k + 1]) <= now then redis.call('HDEL', key, res[2][k]) end
 end
-redis.call('SET', ckey, res[1], 'PX', 3600000)
+if res[1] == '0' then
+  redis.call('SET', ckey, string.format('@%d', now + SWEEP_PAUSE_MS), 'PX', 3600000)
+else
+  redis.call('SET', ckey, res[1], 'PX', 3600000)
+end
 return #hs

@@ -201,13 +201,41 @@ redis.call('HSET', load, chosen .. ':n', tonumber(v[3 * pick - 2] or '0') + 1,
 redis.call('HSET', leases, req, chosen .. '|' .. unc .. '|0|' .. owner)
 redis.call('SET', heartbeat, 1, 'PX', heartbeat_ttl)
 
+-- The amortised sweep of a predicted hash (as record_predicted.lua's): continue the pass
+-- whose cursor is kept beside the hash, ``count`` fields; a finished pass leaves
+-- "@<ms>" there, the router's time (ARGV 2) at which the next pass may start. A mark
+-- further ahead than one pause (a router whose clock runs ahead wrote it) is due at once.
+local SWEEP_PAUSE_MS = 1000
+local function sweep(pkey, count)
+  local ckey = pkey .. ':cursor'
+  local cursor = redis.call('GET', ckey) or '0'
+  local resume = tonumber(string.match(cursor, '^@(%d+)$'))
+  if resume then
+    if now < resume and resume <= now + SWEEP_PAUSE_MS then return end
+    cursor = '0'
+  end
+  local res = redis.call('HSCAN', pkey, cursor, 'COUNT', count)
+  for k = 1, #res[2], 2 do
+    if tonumber(res[2][k + 1]) <= now then redis.call('HDEL', pkey, res[2][k]) end
+  end
+  if res[1] == '0' then
+    redis.call('SET', ckey, string.format('@%d', now + SWEEP_PAUSE_MS), 'PX', 3600000)
+  else
+    redis.call('SET', ckey, res[1], 'PX', 3600000)
+  end
+end
+
 -- 5. predicted entries for the chosen replica (as record_predicted.lua), for the blocks past
 --    its exact run only: the engine already holds the run, and its KV events keep those
 --    entries true (a block it evicts then leaves the index, not a prediction behind it).
 --    Past its fresh run, too (step 1): an entry with half its TTL left is not written again.
---    Each write also sweeps a few fields of the hash, twice as many as it writes, so
---    expired entries go while the hash keeps being refreshed (without the sweep a replica
---    taking new prompts all the time kept every expired field: the hash only expires whole).
+--    A write also sweeps a few fields of the hash, twice as many as it writes, so expired
+--    entries go while the hash keeps being refreshed (without the sweep a replica taking
+--    new prompts all the time kept every expired field: the hash only expires whole). A
+--    pass of the sweep ends when its cursor comes back to 0; the next pass starts
+--    SWEEP_PAUSE_MS later. Without the pause a small hash (a listpack: up to
+--    hash-max-listpack-entries fields, 128 by default), which HSCAN returns whole, was
+--    read whole on every write, and a large one was swept again as soon as a pass ended.
 local first = fresh_run[pick] + 1  -- the fresh run holds the exact run
 if first <= nblocks then
   upto(nblocks)
@@ -223,13 +251,7 @@ if first <= nblocks then
   redis.call('PEXPIREAT', pkey, expiry, 'GT')
   if redis.call('PTTL', pkey) == -1 then redis.call('PEXPIREAT', pkey, expiry) end
   redis.call('SADD', replicas_set, chosen)
-  local ckey = pkey .. ':cursor'
-  local res = redis.call('HSCAN', pkey, redis.call('GET', ckey) or '0', 'COUNT',
-                         2 * (nblocks - first + 1) + 16)
-  for k = 1, #res[2], 2 do
-    if tonumber(res[2][k + 1]) <= now then redis.call('HDEL', pkey, res[2][k]) end
-  end
-  redis.call('SET', ckey, res[1], 'PX', 3600000)
+  sweep(pkey, 2 * (nblocks - first + 1) + 16)
 end
 
 local out = {pick}
