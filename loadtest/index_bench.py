@@ -61,6 +61,12 @@ lengths; the atomic route adds the load reservation and the predicted-entry writ
 every block of the prompt. Ingestion is far above what engines publish (an H200 prefilling
 30k tokens/s at block 16 stores about 2k blocks/s)."""
 
+TURNS_NOTES = """Reading: ``bench_turns`` replays multi-turn chat through the atomic route
+with no KV events (every held block is a predicted entry, as with engines that publish
+none): each turn reads the candidates' held prefixes, reserves, writes the new blocks'
+predicted entries and sweeps expired ones, then releases. Redis time is the scripts' own
+(`INFO commandstats`, inner commands included); the HSCAN calls are the sweep's."""
+
 
 async def bench_lookup(url: str, tokens: int, n_replicas: int, iters: int,
                        scenario: str = "typical") -> dict:
@@ -119,6 +125,53 @@ async def bench_lookup(url: str, tokens: int, n_replicas: int, iters: int,
             "lookup_p50_ms": pct(lookup_s, 0.5) * 1e3, "lookup_p99_ms": pct(lookup_s, 0.99) * 1e3,
             "route_p50_ms": pct(route_s, 0.5) * 1e3, "route_p99_ms": pct(route_s, 0.99) * 1e3,
             "lookup_redis_us": lookup_us / iters, "route_redis_us": route_us / iters}
+
+
+async def bench_turns(url: str, turns: int = 3000, conversations: int = 32,
+                      n_replicas: int = 8, ttl_s: float = 120.0, seed: int = 1) -> dict:
+    """Multi-turn chat replayed through the atomic route, as a fleet without KV events sees
+    it (every held block a predicted entry): ``conversations`` of 40 blocks (1,280 tokens)
+    growing by 3 blocks a turn, cut back to 40 past 100, each turn routed over
+    ``n_replicas`` and released. Per turn: the Redis time of the route and the release
+    (``script_usec``, us), the ``HSCAN`` calls of the predicted entries' sweep (``INFO
+    commandstats``); at the end the predicted fields held (``HLEN``). ``ttl_s``: the
+    predicted entries' TTL (s)."""
+    ns = f"bench-{uuid.uuid4().hex[:6]}"
+    conn = RedisConnections(url, 5.0)
+    index = RedisPrefixIndex(url, ns, connections=conn)
+    load = RedisLoadTracker(conn, ns)
+    atomic = AtomicRoute(index, load)
+    rng = random.Random(seed)
+    replicas = [f"replica-{i:02d}" for i in range(n_replicas)]
+    convs = [[rng.getrandbits(63) for _ in range(40)] for _ in range(conversations)]
+    stats = redis.asyncio.Redis.from_url(url)
+
+    async def hscans() -> int:
+        return int((await stats.info("commandstats")).get("cmdstat_hscan", {}).get("calls", 0))
+
+    us0, scans0 = await script_usec(stats), await hscans()
+    for k in range(turns):
+        conv = convs[k % conversations]
+        conv.extend(rng.getrandbits(63) for _ in range(3))
+        if len(conv) > 100:
+            del conv[40:]
+        await atomic.route(f"q{k}", len(conv) * BS, list(conv), replicas,
+                           [ttl_s] * n_replicas, block_size=BS, prefill_rate=20000.0,
+                           work_weight=1.0, decode_step_s_per_seq=3e-5,
+                           step_token_budget=8192, tie_abs_s=0.002, tie_rel=0.05,
+                           u=rng.random())
+        await load.release(f"q{k}")
+    us, scans = (await script_usec(stats)) - us0, (await hscans()) - scans0
+    fields = 0
+    for r in replicas:
+        fields += await stats.hlen(index.keys.predicted(r))
+    await stats.aclose()
+    await load.close()
+    await index.flush()
+    await conn.close()
+    return {"turns": turns, "conversations": conversations, "replicas": n_replicas,
+            "ttl_s": ttl_s, "redis_us_per_turn": us / turns, "hscan_calls": scans,
+            "predicted_fields": fields}
 
 
 async def script_usec(client) -> float:
@@ -720,7 +773,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=2000,
                     help="requests per case up to 8k tokens (a tenth of it above): p99 of "
                          "2,000 is the 20th worst, steadier than 300's third worst")
-    ap.add_argument("--only", choices=["lookup", "overhead", "shadow", "cluster"], default=None)
+    ap.add_argument("--only", choices=["lookup", "turns", "overhead", "shadow", "cluster"],
+                    default=None)
     ap.add_argument("--cluster-processes", type=int, default=4,
                     help="router processes deciding at once in the cluster benchmark")
     ap.add_argument("--cluster-concurrency", type=int, default=8,
@@ -786,6 +840,19 @@ def main(argv: list[str] | None = None) -> int:
         if not a.no_doc:
             write_benchmark_doc("Redis index: lookup and ingestion" + a.suffix, cmd.strip(), text,
                                 NOTES)
+    if a.only in (None, "turns"):
+        row = asyncio.run(bench_turns(a.redis_url))
+        print(json.dumps(row), flush=True)
+        text = ("| turns | conversations | replicas | predicted TTL (s) | Redis time per turn, "
+                "route + release (us) | sweep HSCAN calls | predicted fields at the end |\n"
+                "|---|---|---|---|---|---|---|\n"
+                f"| {row['turns']} | {row['conversations']} | {row['replicas']} | "
+                f"{row['ttl_s']:.0f} | {row['redis_us_per_turn']:.1f} | {row['hscan_calls']} "
+                f"| {row['predicted_fields']} |")
+        print(text)
+        if not a.no_doc:
+            write_benchmark_doc("Redis index: multi-turn replay" + a.suffix, cmd.strip(), text,
+                                TURNS_NOTES)
     if a.only in (None, "shadow"):
         rows = [asyncio.run(bench_shadow(a.redis_url, t, n)) for t, n in
                 ((1024, 8), (8192, 8), (8192, 32))]
