@@ -258,7 +258,7 @@ async def bench_overhead(url: str, tokens: int, iters: int, unique: bool = False
     core = RoutingCore(settings, index, load, PrefixAware(random.Random(0)),
                        atomic=AtomicRoute(index, load))
     replicas = [ReplicaInfo(f"replica-{i}", {}, {}) for i in range(8)]
-    state.put("replica_ids", frozenset(r.replica_id for r in replicas))  # as Serve's router
+    state.put("replica_infos", tuple(replicas))  # as Serve's router (state.replica_infos)
     shared = text_of(tokens, "overhead", ingress.renderer.tokenizer)
     prepare_s, decide_s, total_s, sizes = [], [], [], []
     for i in range(iters):
@@ -360,7 +360,7 @@ def _concurrent_worker(url: str, ns: str, tokens: int, share: int, worker: int,
     core = RoutingCore(settings, index, load, PrefixAware(random.Random(worker)),
                        atomic=AtomicRoute(index, load))
     replicas = [ReplicaInfo(f"replica-{i}", {}, {}) for i in range(8)]
-    state.put("replica_ids", frozenset(r.replica_id for r in replicas))  # as Serve's router
+    state.put("replica_infos", tuple(replicas))  # as Serve's router (state.replica_infos)
     bodies = [json.dumps({"model": "tiny-qwen2", "messages": [
         {"role": "system", "content": text_of(tokens, f"concurrent-{worker}-{i}",
                                               ingress.renderer.tokenizer)},
