@@ -425,15 +425,19 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
-def _redis_cpu_s(url: str) -> float:
-    """CPU seconds the Redis server has used (``INFO cpu``, its main thread and others)."""
+def _redis_cpu_s(urls: list[str]) -> float:
+    """CPU seconds the Redis servers at ``urls`` have used together (``INFO cpu``, their
+    main threads and others): one URL for one Redis, every master's for a cluster."""
     import redis
-    client = redis.Redis.from_url(url, socket_timeout=5)
-    try:
-        info = client.info("cpu")
-    finally:
-        client.close()
-    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+    total = 0.0
+    for url in urls:
+        client = redis.Redis.from_url(url, socket_timeout=5)
+        try:
+            info = client.info("cpu")
+        finally:
+            client.close()
+        total += float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+    return total
 
 
 class Stack:
@@ -448,7 +452,8 @@ class Stack:
     """
 
     def __init__(self, redis_url: str, ingress: int, engines: int = 8,
-                 profile_path: str | None = None, ready_timeout_s: float = 120.0):
+                 profile_path: str | None = None, ready_timeout_s: float = 120.0,
+                 cluster_nodes: list[str] | None = None, shard_groups: int | None = None):
         from deploy.make_model import ensure_model
         from loadtest.service import free_port
         from router.config import DEFAULT_MODEL_DIR
@@ -456,6 +461,9 @@ class Stack:
         ensure_model(DEFAULT_MODEL_DIR)
         self.model_dir = str(DEFAULT_MODEL_DIR)
         self.redis_url = redis_url
+        # the Redis servers whose CPU a run reports: a cluster's masters, or the one Redis
+        self.redis_nodes = cluster_nodes or [redis_url]
+        self.cluster = cluster_nodes is not None
         self.namespace = f"rps-{uuid.uuid4().hex[:8]}"
         self.ctx = mp.get_context("spawn")
         self.engine_ports = [free_port() for _ in range(engines)]
@@ -467,6 +475,8 @@ class Stack:
                          "data_path": "direct",
                          "external_engines": [{"url": u, "name": f"engine-{k}"}
                                               for k, u in enumerate(self.engine_urls)]}
+        if self.cluster:  # the sharded mode: each decision's keys in one group's slot
+            self.settings.update(redis_cluster=True, index_shard_groups=shard_groups)
         self.profile_path = profile_path
         self.ready_timeout_s = ready_timeout_s
         self.engines: list = []
@@ -520,6 +530,8 @@ class Stack:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        if self.cluster:
+            return  # the cluster is the run's own, stopped with all its keys
         from router.index.redis import RedisPrefixIndex
         asyncio.run(RedisPrefixIndex(self.redis_url, self.namespace, timeout_s=5.0).flush())
 
@@ -564,12 +576,12 @@ def measure_throughput(stack: Stack, processes: int, concurrency: int = 32,
             ready.get(timeout=120)
         calls0 = stack.engine_requests()
         cpu0 = [_cpu_s(p.pid) for p in stack.ingress[:processes]]
-        redis0, t0 = _redis_cpu_s(stack.redis_url), time.perf_counter()
+        redis0, t0 = _redis_cpu_s(stack.redis_nodes), time.perf_counter()
         go.set()
         got = [results.get(timeout=warmup_s + window_s + 120) for _ in procs]
         elapsed = time.perf_counter() - t0
         cpu = [_cpu_s(p.pid) - c for p, c in zip(stack.ingress[:processes], cpu0)]
-        redis_cpu = _redis_cpu_s(stack.redis_url) - redis0
+        redis_cpu = _redis_cpu_s(stack.redis_nodes) - redis0
         calls = stack.engine_requests() - calls0
     finally:
         for p in procs:
@@ -742,8 +754,11 @@ def profile_summary(path: str, top: int = 25) -> str:
 
 # --- the report ----------------------------------------------------------------------------
 
-def tables(rows: list[dict], bursts: list[dict], mean_tokens: float) -> str:
-    """The Markdown of a run: the throughput rows, the burst rows and the verdicts."""
+def tables(rows: list[dict], bursts: list[dict], mean_tokens: float,
+           redis_desc: str = "one Redis") -> str:
+    """The Markdown of a run: the throughput rows, the burst rows and the verdicts.
+    ``redis_desc`` names the index's Redis (one Redis, or a cluster's masters and groups);
+    the Redis CPU column is summed over its servers."""
     base = next((r for r in rows if r["processes"] == 1), None)
     t = ["| ingress processes | conversations | client processes | routed req/s | per process "
          "| speed-up vs 1 | latency p50 / p99 (ms) | failed | routed by cache / fallback | "
@@ -758,7 +773,7 @@ def tables(rows: list[dict], bursts: list[dict], mean_tokens: float) -> str:
                  f"{r['ingress_cpu'] * 100:.0f} % | {r['client_cpu'] * 100:.0f} % | "
                  f"{r['redis_cpu'] * 100:.0f} % |")
     text = (f"Closed loop, 2k-token multi-turn chat turns (mean {mean_tokens:,.0f} prompt "
-            f"tokens), streamed, 1 output token, {rows[0]['engines']} zero-time engines, one Redis; "
+            f"tokens), streamed, 1 output token, {rows[0]['engines']} zero-time engines, {redis_desc}; "
             f"{rows[0]['window_s']:.0f} s window after a warm-up:\n\n" + "\n".join(t))
     if bursts:
         b = ["| ingress processes | single request p50 (ms) | 32 at once p50 / p99 (ms) | "
@@ -824,6 +839,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-burst", action="store_true", help="skip the 32-at-once burst")
     ap.add_argument("--profile", default=None,
                     help="run ingress process 0 under cProfile; stats written to this file")
+    ap.add_argument("--redis-cluster", type=int, default=0, metavar="MASTERS",
+                    help="start a local Redis Cluster of MASTERS masters for the run "
+                         "(loadtest.redis_cluster) and route in the sharded mode; "
+                         "--redis-url is then not used")
+    ap.add_argument("--shard-groups", type=int, default=None,
+                    help="index_shard_groups with --redis-cluster (default: 2 per master)")
     ap.add_argument("--doc", action="store_true", help="write the docs/benchmarks.md section")
     ap.add_argument("--suffix", default="", help="appended to the section title (machine)")
     a = ap.parse_args(argv)
@@ -831,28 +852,49 @@ def main(argv: list[str] | None = None) -> int:
     cmd = "python -m loadtest.router_throughput" + (" " + " ".join(args) if args else "")
 
     rows, bursts = [], []
-    with Stack(a.redis_url, max(a.processes), a.engines, a.profile) as stack:
-        mean_tokens = mean_prompt_tokens(stack.model_dir)
-        print(json.dumps({"mean_prompt_tokens": round(mean_tokens)}), flush=True)
-        for p in a.processes:
-            rows.append(measure_throughput(stack, p, a.concurrency, a.clients, a.warmup,
-                                           a.window))
-            print(json.dumps(rows[-1]), flush=True)
-        if not a.no_burst:
-            for p in a.processes:
-                bursts.append(measure_burst(stack, p))
-                print(json.dumps(bursts[-1]), flush=True)
+    with contextlib.ExitStack() as resources:
+        url, nodes, groups, redis_desc = a.redis_url, None, None, "one Redis"
+        if a.redis_cluster:
+            import tempfile
+
+            from loadtest.redis_cluster import LocalRedisCluster
+            workdir = resources.enter_context(tempfile.TemporaryDirectory())
+            cluster = resources.enter_context(LocalRedisCluster(workdir, a.redis_cluster))
+            url, nodes = cluster.url, [f"redis://127.0.0.1:{p}/0" for p in cluster.ports]
+            groups = a.shard_groups or 2 * a.redis_cluster
+            redis_desc = (f"a Redis Cluster of {a.redis_cluster} masters with the index in "
+                          f"{groups} shard groups")
+        stack = resources.enter_context(Stack(url, max(a.processes), a.engines, a.profile,
+                                              cluster_nodes=nodes, shard_groups=groups))
+        mean_tokens = _measure(stack, a, rows, bursts)
     if a.profile:
         print(profile_summary(a.profile))
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"router-throughput-{int(time.time())}.json").write_text(
-        json.dumps({"throughput": rows, "burst": bursts, "mean_prompt_tokens": mean_tokens},
-                   indent=1))
-    text = tables(rows, bursts, mean_tokens)
+        json.dumps({"throughput": rows, "burst": bursts, "mean_prompt_tokens": mean_tokens,
+                    "redis": redis_desc}, indent=1))
+    text = tables(rows, bursts, mean_tokens, redis_desc)
     print(text)
     if a.doc:
         write_benchmark_doc("Router throughput (issue 12)" + a.suffix, cmd, text, NOTES)
     return 0
+
+
+def _measure(stack: Stack, a: argparse.Namespace, rows: list[dict],
+             bursts: list[dict]) -> float:
+    """The throughput rows and the bursts of ``main``'s arguments ``a`` on ``stack``,
+    appended to ``rows`` and ``bursts``; returns the mean prompt length (tokens)."""
+    mean_tokens = mean_prompt_tokens(stack.model_dir)
+    print(json.dumps({"mean_prompt_tokens": round(mean_tokens)}), flush=True)
+    for p in a.processes:
+        rows.append(measure_throughput(stack, p, a.concurrency, a.clients, a.warmup,
+                                       a.window))
+        print(json.dumps(rows[-1]), flush=True)
+    if not a.no_burst:
+        for p in a.processes:
+            bursts.append(measure_burst(stack, p))
+            print(json.dumps(bursts[-1]), flush=True)
+    return mean_tokens
 
 
 NOTES = """Reading: "routed requests/s" counts 200s that carry `x-routed-replica` and end with
