@@ -231,3 +231,21 @@ def test_commands_packed_by_hiredis_equal_redis_pys_own_packing():
                  ("CLIENT SETNAME", "router"), ("SET", memoryview(b"k"), bytearray(b"v")),
                  ("HMGET", "h", *[str(i) for i in range(100)])]:
         assert b"".join(fast.pack_command(*args)) == b"".join(plain.pack_command(*args)), args
+
+
+def test_a_fresh_predicted_entry_is_left_as_it_is_with_fresh_s():
+    """``record_predicted_now(..., fresh_s)`` (the shard groups' summary) leaves an entry
+    with more than ``fresh_s`` to live as it is and refreshes the others."""
+    clock = ManualClock(0.0)
+    index = MemoryPrefixIndex(clock)
+    index.record_predicted_now("g", [1, 2], 10.0, fresh_s=5.0)
+    clock.advance(3.0)
+    index.record_predicted_now("g", [1, 2, 3], 10.0, fresh_s=5.0)  # 7 s left: kept at 10
+    heap = len(index._expiry_heap)
+    clock.advance(3.0)  # t = 6: 4 s left, less than fresh_s: refreshed to 16
+    index.record_predicted_now("g", [1], 10.0, fresh_s=5.0)
+    assert len(index._expiry_heap) == heap + 1
+    clock.advance(4.5)  # t = 10.5: block 2 expired at 10, block 1 lives to 16
+    assert index.lookup_now([1, 2, 3], ["g"]) == {"g": 1}
+    index.record_predicted_now("g", [2], 10.0)  # without fresh_s: written again as before
+    assert index.lookup_now([1, 2, 3], ["g"]) == {"g": 3}

@@ -295,6 +295,23 @@ async def test_keys_tied_to_no_group_work_on_the_cluster(redis_cluster):
     await conn.close()
 
 
+async def test_the_cluster_client_packs_with_hiredis_on_every_node(grouped):
+    """The cluster client's nodes pack commands with hiredis (router.index.redis
+    .cluster_hiredis_packed), as the single Redis client does; the route runs through them."""
+    index, load, _ = grouped
+    replicas = fleet(index.groups, 2)
+    p = PrefixAware()
+    chosen, _ = await AtomicRoute(index, load).route("h", 4 * BS, [1, 2, 3, 4], replicas,
+                                                      [15.0] * len(replicas),
+                                                      **route_kwargs(p, 0.5))
+    await load.release("h")
+    nodes = index.conn.client().get_nodes()
+    assert len(nodes) == 3 and chosen in replicas
+    assert all(n.connection_class.__name__.startswith("Hiredis") for n in nodes)
+    used = [c for n in nodes for c in n._connections]
+    assert used and all(type(c).__name__.startswith("Hiredis") for c in used)
+
+
 async def test_an_unreachable_cluster_raises_index_unavailable():
     conn = RedisConnections("redis://127.0.0.1:1/0", 0.2, cluster=True)
     index = RedisPrefixIndex("redis://127.0.0.1:1/0", "t", connections=conn, shard_groups=3)

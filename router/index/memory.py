@@ -55,6 +55,10 @@ class MemoryPrefixIndex(PrefixIndex):
             for i, h in enumerate(block_hashes):
                 exact = self._exact.get(h)
                 pred = self._predicted.get(h)
+                if exact is None and pred is None:  # nobody holds it: the walks end here
+                    for r in alive:
+                        matched[r] = i
+                    break
                 lost = [r for r in alive
                         if not ((exact and exact.get(r, 0) > 0)
                                 or (pred and pred.get(r, 0.0) > now))]
@@ -78,14 +82,20 @@ class MemoryPrefixIndex(PrefixIndex):
         self.record_predicted_now(replica, block_hashes, ttl_s)
 
     def record_predicted_now(self, replica: str, block_hashes: Sequence[BlockHash],
-                             ttl_s: float) -> None:
-        """Synchronous ``record_predicted``."""
+                             ttl_s: float, fresh_s: float | None = None) -> None:
+        """Synchronous ``record_predicted``. With ``fresh_s`` (s), an entry with more than
+        that left to live is left as it is (as ``lua/route.lua`` leaves an entry with half
+        its TTL left): a prefix written again and again then costs a dictionary read per
+        block, not a new expiry in the heap each time."""
         now = self.clock.now()
         expiry = now + ttl_s
+        keep_after = now + fresh_s if fresh_s is not None else None
         with self._lock:
             for h in block_hashes:
                 owners = self._predicted.setdefault(h, {})
                 old = owners.get(replica)
+                if keep_after is not None and old is not None and old > keep_after:
+                    continue
                 if old is None or old <= now:
                     if old is None:
                         self._n_predicted += 1

@@ -76,6 +76,24 @@ def hiredis_packed(connection_class: type) -> type:
     return Packed
 
 
+def cluster_hiredis_packed(client) -> None:
+    """Make a new ``redis.asyncio.cluster.RedisCluster`` ``client`` pack with hiredis
+    (``hiredis_packed``) on every node, those it knows now and those it learns: its
+    constructor takes no connection class (it picks ``Connection`` or ``SSLConnection``),
+    so the class is replaced in its startup nodes and in the keyword arguments its
+    ``NodesManager`` makes nodes with. Left as it is where those attributes are missing (a
+    redis-py of another layout): the commands are then packed in Python, the same bytes."""
+    manager = getattr(client, "nodes_manager", None)
+    kwargs = getattr(manager, "connection_kwargs", None)
+    if not isinstance(kwargs, dict) or "connection_class" not in kwargs:
+        return
+    kwargs["connection_class"] = hiredis_packed(kwargs["connection_class"])
+    for node in list(getattr(client, "startup_nodes", ())) + \
+            list(getattr(manager, "startup_nodes", {}).values()):
+        if hasattr(node, "connection_class") and not node._connections:
+            node.connection_class = hiredis_packed(node.connection_class)
+
+
 class RedisConnections:
     """One ``redis.asyncio`` client per event loop, all for the same URL.
 
@@ -125,6 +143,7 @@ class RedisConnections:
                     self.url, socket_timeout=None, socket_connect_timeout=t,
                     health_check_interval=0, decode_responses=False,
                     **self.connection_kwargs)
+                cluster_hiredis_packed(c)
             else:
                 c = aioredis.Redis.from_url(
                     self.url, socket_timeout=None, socket_connect_timeout=t,

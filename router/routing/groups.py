@@ -134,4 +134,6 @@ class GroupChoice:
         script reported ``inflight`` requests in flight on the group's candidates."""
         self._load[group] = (int(inflight), self.clock.now())
         if block_hashes:
-            self.summary.record_predicted_now(str(group), block_hashes, self.ttl_s)
+            # entries with half their TTL left stay as they are (as lua/route.lua's)
+            self.summary.record_predicted_now(str(group), block_hashes, self.ttl_s,
+                                              fresh_s=self.ttl_s / 2)
