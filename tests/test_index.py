@@ -163,6 +163,11 @@ async def test_remove_replica_purges_exact_and_predicted_entries(index):
     assert await index.lookup([1, 2, 3], ["A", "B"]) == {"A": 0, "B": 3}
     stats = await index.stats()
     assert stats.entries == 3
+    if isinstance(index, RedisPrefixIndex):  # its sweep's cursor and pause mark go too
+        pkey = index.keys_of("A").predicted("A")
+        client = index.conn.client()
+        assert not await client.exists(pkey + ":cursor", pkey + ":swept")
+        assert await client.exists(index.keys_of("B").predicted("B") + ":swept")
 
 
 async def test_a_removed_replicas_late_events_are_refused(index):

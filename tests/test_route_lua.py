@@ -143,9 +143,10 @@ async def test_predicted_entries_are_written_past_the_exact_run_and_expired_ones
 @pytest.mark.parametrize("writer", ["route", "record_predicted"])
 async def test_a_finished_sweep_pass_pauses_a_second_by_the_routers_clock(redis_pair, writer):
     """A sweep pass over a small predicted hash (HSCAN returns a listpack whole) ends at
-    once; the next starts a second later by the router's clock, not on every write (it cost
-    a third of the route's Redis time). A pause mark further ahead than a second (a router
-    whose clock ran ahead) is due at once."""
+    once; the next starts a second later by the router's clock, not on every write. The
+    pause is marked in a key of its own, so the cursor stays an HSCAN cursor for a router
+    of an earlier version; a mark up to 10 s ahead (a router whose clock runs ahead) holds,
+    one further ahead is due at once."""
     index, load, clock = redis_pair
     p, atomic, client = PrefixAware(), AtomicRoute(index, load), index.conn.client()
     key = index.keys.predicted("a")
@@ -168,10 +169,15 @@ async def test_a_finished_sweep_pass_pauses_a_second_by_the_routers_clock(redis_
     clock.advance(0.6)
     await write(0.2)  # 1.1 s after the pass: a new pass removes both expired writes
     assert await client.hlen(key) == 8
+    assert await client.get(key + ":cursor") == b"0"  # an HSCAN cursor, as before
     clock.advance(0.5)
-    await client.set(key + ":cursor", f"@{int(clock.now() * 1000) + 600_000}")
+    await client.set(key + ":swept", int(clock.now() * 1000) + 600_000)
     await write(0.2)  # a mark 10 minutes ahead is due at once
     assert await client.hlen(key) == 8
+    clock.advance(0.5)
+    await client.set(key + ":swept", int(clock.now() * 1000) + 5_000)
+    await write(0.2)  # 5 s ahead (a router's clock running ahead): the pause holds
+    assert await client.hlen(key) == 16
 
 
 async def test_a_prompt_sent_again_refreshes_its_predicted_entries_once_per_half_ttl(

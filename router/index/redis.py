@@ -88,8 +88,9 @@ def cluster_hiredis_packed(client) -> None:
     if not isinstance(kwargs, dict) or "connection_class" not in kwargs:
         return
     kwargs["connection_class"] = hiredis_packed(kwargs["connection_class"])
-    for node in list(getattr(client, "startup_nodes", ())) + \
-            list(getattr(manager, "startup_nodes", {}).values()):
+    nodes = list(getattr(client, "startup_nodes", ())) + \
+        list(getattr(manager, "startup_nodes", {}).values())
+    for node in {id(n): n for n in nodes}.values():  # both lists hold the same nodes
         if hasattr(node, "connection_class") and not node._connections:
             node.connection_class = hiredis_packed(node.connection_class)
 

@@ -24,7 +24,7 @@ while i <= #ARGV do
   if op == 'c' then
     redis.call('DEL', xkey, pkey); i = i + 1
   elseif op == 'x' then
-    redis.call('DEL', xkey, pkey, pkey .. ':cursor'); redis.call('SREM', KEYS[3], ARGV[1])
+    redis.call('DEL', xkey, pkey, pkey .. ':cursor', pkey .. ':swept'); redis.call('SREM', KEYS[3], ARGV[1])
     redis.call('SET', KEYS[4], 1, 'EX', tonumber(ARGV[i + 1]))
     purged = true; i = i + 2
   else

@@ -31,21 +31,18 @@ redis.call('PEXPIREAT', key, expiry, 'GT')
 if redis.call('PTTL', key) == -1 then redis.call('PEXPIREAT', key, expiry) end
 redis.call('SADD', KEYS[2], ARGV[1])
 -- amortised sweep: continue the pass whose cursor is kept beside the hash; a finished
--- pass leaves "@<ms>" there, when the next may start (due at once if further ahead than
--- one pause: a router whose clock runs ahead wrote it)
-local SWEEP_PAUSE_MS = 1000
-local ckey = key .. ':cursor'
-local cursor = redis.call('GET', ckey) or '0'
-local resume = tonumber(string.match(cursor, '^@(%d+)$'))
-if resume and now < resume and resume <= now + SWEEP_PAUSE_MS then return #hs end
-if resume then cursor = '0' end
-local res = redis.call('HSCAN', key, cursor, 'COUNT', 64)
+-- pass leaves in <key>:swept the router's time at which the next may start (route.lua's
+-- sweep: due at once when more than SWEEP_SKEW_MS ahead)
+local SWEEP_PAUSE_MS, SWEEP_SKEW_MS = 1000, 10000
+local ckey, skey = key .. ':cursor', key .. ':swept'
+local resume = tonumber(redis.call('GET', skey))
+if resume and now < resume and resume <= now + SWEEP_SKEW_MS then return #hs end
+local res = redis.call('HSCAN', key, redis.call('GET', ckey) or '0', 'COUNT', 64)
 for k = 1, #res[2], 2 do
   if tonumber(res[2][k + 1]) <= now then redis.call('HDEL', key, res[2][k]) end
 end
+redis.call('SET', ckey, res[1], 'PX', 3600000)
 if res[1] == '0' then
-  redis.call('SET', ckey, string.format('@%d', now + SWEEP_PAUSE_MS), 'PX', 3600000)
-else
-  redis.call('SET', ckey, res[1], 'PX', 3600000)
+  redis.call('SET', skey, string.format('%d', now + SWEEP_PAUSE_MS), 'PX', 3600000)
 end
 return #hs

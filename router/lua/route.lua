@@ -202,26 +202,24 @@ redis.call('HSET', leases, req, chosen .. '|' .. unc .. '|0|' .. owner)
 redis.call('SET', heartbeat, 1, 'PX', heartbeat_ttl)
 
 -- The amortised sweep of a predicted hash (as record_predicted.lua's): continue the pass
--- whose cursor is kept beside the hash, ``count`` fields; a finished pass leaves
--- "@<ms>" there, the router's time (ARGV 2) at which the next pass may start. A mark
--- further ahead than one pause (a router whose clock runs ahead wrote it) is due at once.
-local SWEEP_PAUSE_MS = 1000
+-- whose cursor is kept beside the hash (<pkey>:cursor), ``count`` fields. A finished pass
+-- leaves in <pkey>:swept the router's time (ARGV 2) at which the next may start; the
+-- cursor itself stays an HSCAN cursor, so a router of an earlier version sharing the
+-- namespace reads it as before. A mark more than SWEEP_SKEW_MS ahead (written by a router
+-- whose clock runs far ahead) is due at once; within it, routers whose clocks differ by
+-- less keep the pause.
+local SWEEP_PAUSE_MS, SWEEP_SKEW_MS = 1000, 10000
 local function sweep(pkey, count)
-  local ckey = pkey .. ':cursor'
-  local cursor = redis.call('GET', ckey) or '0'
-  local resume = tonumber(string.match(cursor, '^@(%d+)$'))
-  if resume then
-    if now < resume and resume <= now + SWEEP_PAUSE_MS then return end
-    cursor = '0'
-  end
-  local res = redis.call('HSCAN', pkey, cursor, 'COUNT', count)
+  local ckey, skey = pkey .. ':cursor', pkey .. ':swept'
+  local resume = tonumber(redis.call('GET', skey))
+  if resume and now < resume and resume <= now + SWEEP_SKEW_MS then return end
+  local res = redis.call('HSCAN', pkey, redis.call('GET', ckey) or '0', 'COUNT', count)
   for k = 1, #res[2], 2 do
     if tonumber(res[2][k + 1]) <= now then redis.call('HDEL', pkey, res[2][k]) end
   end
+  redis.call('SET', ckey, res[1], 'PX', 3600000)
   if res[1] == '0' then
-    redis.call('SET', ckey, string.format('@%d', now + SWEEP_PAUSE_MS), 'PX', 3600000)
-  else
-    redis.call('SET', ckey, res[1], 'PX', 3600000)
+    redis.call('SET', skey, string.format('%d', now + SWEEP_PAUSE_MS), 'PX', 3600000)
   end
 end
 
