@@ -6,6 +6,7 @@ set, rate limits, warm-up leases) on the cluster."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
 import uuid
@@ -311,6 +312,36 @@ async def test_the_cluster_client_packs_with_hiredis_on_every_node(grouped):
     assert all(n.connection_class.__name__ == "HiredisConnection" for n in nodes)
     used = [c for n in nodes for c in n._connections]
     assert used and all(type(c).__name__.startswith("Hiredis") for c in used)
+
+
+async def test_a_deadline_shorter_than_the_topology_read_does_not_starve_the_client(
+        redis_cluster):
+    """The cluster client's first topology read (slots, a connection to each master) runs
+    in a task of its own: a call whose deadline ends first fails (routing falls back), the
+    read goes on, and later calls succeed. When the deadline cancelled the read itself,
+    every call started it again and none succeeded. Here the read is made 60 ms slow (a
+    loaded process's event loop) against a 20 ms deadline."""
+    conn = RedisConnections(redis_cluster.url, 0.02, cluster=True)
+    client = conn.client()
+    read = client.initialize
+
+    async def slow_read(*args, **kwargs):
+        await asyncio.sleep(0.06)
+        return await read(*args, **kwargs)
+
+    client.initialize = slow_read
+    with pytest.raises(IndexUnavailable):
+        await conn.call(lambda c: c.get("k{g0}"))
+    ok = 0
+    for _ in range(20):
+        await asyncio.sleep(0.01)
+        try:
+            await conn.call(lambda c: c.get("k{g0}"))
+            ok += 1
+        except IndexUnavailable:
+            pass
+    assert ok >= 10 and client._initialize is False
+    await conn.close()
 
 
 async def test_an_unreachable_cluster_raises_index_unavailable():

@@ -121,6 +121,7 @@ class RedisConnections:
         self.cluster = cluster
         self.shown_url = redact_url(url)  # for messages: never the password
         self._clients: dict[tuple[int, float], Any] = {}
+        self._topology_reads: dict[int, asyncio.Future] = {}  # cluster client id -> read
 
     def client(self, timeout_s: float | None = None) -> aioredis.Redis:
         """This event loop's client whose connect timeout is ``timeout_s`` (default: the
@@ -162,15 +163,42 @@ class RedisConnections:
         t = max(self.timeout_s, self.MAINTENANCE_TIMEOUT_S) if maintenance else self.timeout_s
         try:
             async with asyncio.timeout(t):  # no extra task, unlike wait_for
-                return await coro_fn(self.client(t), *args)
+                client = self.client(t)
+                if self.cluster and getattr(client, "_initialize", False):
+                    await asyncio.shield(self._topology(client))
+                return await coro_fn(client, *args)
         except (RedisError, RedisClusterException, OSError, asyncio.TimeoutError) as exc:
             raise IndexUnavailable(f"redis at {self.shown_url}: {type(exc).__name__}: "
                                    f"{exc}") from exc
 
+    def _topology(self, client) -> asyncio.Future:
+        """The cluster ``client``'s topology read (``RedisCluster.initialize``: the slots and
+        a connection to every master) as a task of its own, which a call awaits shielded:
+        the routing deadline ends the call, not the read. Cancelled with the call, the read
+        started over on every call, and a first read slower than the deadline (a loaded
+        process's event loop: 50 ms) never finished (a 2 ms deadline on the VM: no call of
+        200 succeeded; with it, 198). One task per client at a time; once it has ended, the
+        next call that finds a read asked for (after a failure, or a redirection) starts
+        another."""
+        task = self._topology_reads.get(id(client))
+        if task is None or task.done():  # none yet, or a new read asked for since
+            async def read():
+                await client.initialize()
+                await asyncio.gather(*(client.execute_command("PING", target_nodes=node)
+                                       for node in client.get_primaries()))
+            task = self._topology_reads[id(client)] = asyncio.ensure_future(read())
+            # its error reaches the calls awaiting it; retrieved here for when none is left
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        return task
+
     async def close(self) -> None:
         loop = id(asyncio.get_running_loop())
         for key in [k for k in self._clients if k[0] == loop]:
-            await self._clients.pop(key).aclose()
+            client = self._clients.pop(key)
+            task = self._topology_reads.pop(id(client), None)
+            if task is not None and not task.done():
+                task.cancel()
+            await client.aclose()
 
 
 async def each_group(parts: dict[int, list[str]], one) -> list[tuple[list[str], Any]]:
