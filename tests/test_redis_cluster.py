@@ -344,6 +344,31 @@ async def test_a_deadline_shorter_than_the_topology_read_does_not_starve_the_cli
     await conn.close()
 
 
+async def test_a_master_down_fails_its_own_slots_calls_only(tmp_path):
+    """With one master of three killed, calls on its slots fail (routing falls back for
+    that group) and calls on the other masters' slots go on, after the topology reads the
+    failure asks for (each read's connection checks are best-effort)."""
+    from loadtest.redis_cluster import LocalRedisCluster
+
+    with LocalRedisCluster(tmp_path, masters=3) as cluster:
+        conn = RedisConnections(cluster.url, 0.5, cluster=True)
+        await conn.call(lambda c: c.ping())
+        client, by_port = conn.client(), {}
+        for i in range(200):
+            by_port.setdefault(client.get_node_from_key(f"k{{t{i}}}").port, f"k{{t{i}}}")
+        assert sorted(by_port) == sorted(cluster.ports)
+        cluster.procs[0].kill()
+        cluster.procs[0].wait()
+        for _ in range(3):
+            for port, key in by_port.items():
+                if port == cluster.ports[0]:
+                    with pytest.raises(IndexUnavailable):
+                        await conn.call(lambda c: c.set(key, 1))
+                else:
+                    await conn.call(lambda c: c.set(key, 1))
+        await conn.close()
+
+
 async def test_an_unreachable_cluster_raises_index_unavailable():
     conn = RedisConnections("redis://127.0.0.1:1/0", 0.2, cluster=True)
     index = RedisPrefixIndex("redis://127.0.0.1:1/0", "t", connections=conn, shard_groups=3)

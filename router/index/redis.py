@@ -184,8 +184,10 @@ class RedisConnections:
         if task is None or task.done():  # none yet, or a new read asked for since
             async def read():
                 await client.initialize()
+                # a connection to each master; one down fails its own group's calls only
                 await asyncio.gather(*(client.execute_command("PING", target_nodes=node)
-                                       for node in client.get_primaries()))
+                                       for node in client.get_primaries()),
+                                     return_exceptions=True)
             task = self._topology_reads[id(client)] = asyncio.ensure_future(read())
             # its error reaches the calls awaiting it; retrieved here for when none is left
             task.add_done_callback(lambda t: t.cancelled() or t.exception())
