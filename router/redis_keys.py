@@ -240,12 +240,16 @@ class EventOp(str, Enum):
 
 
 def load_lua(name: str) -> str:
-    """Source of ``router/lua/<name>.lua``.
+    """Source of ``router/lua/<name>.lua``, a line ``--! include <file>`` replaced by that
+    file of the same folder (Redis runs each script alone: a function two scripts share,
+    such as ``sweep.lua``'s, is put into both).
 
     Raises:
-        FileNotFoundError: no such script.
+        FileNotFoundError: no such script, or no such included file.
     """
-    return (_LUA_DIR / f"{name}.lua").read_text()
+    lines = (_LUA_DIR / f"{name}.lua").read_text().splitlines(keepends=True)
+    return "".join((_LUA_DIR / line.split()[2]).read_text()
+                   if line.startswith("--! include ") else line for line in lines)
 
 
 class Scripts:

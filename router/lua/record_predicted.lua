@@ -5,7 +5,9 @@
 -- An entry's expiry only moves later. The hash itself expires with its latest entry; while
 -- it lives, each call also scans a few fields and deletes expired ones, so its size stays
 -- bounded by the TTL times the rate of new blocks. A pass of that sweep ends when its
--- cursor comes back to 0, and the next starts SWEEP_PAUSE_MS later (route.lua's sweep).
+-- cursor comes back to 0, and the next starts SWEEP_PAUSE_MS later (sweep.lua).
+--! include sweep.lua
+
 local key, expiry, now = KEYS[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local hs = {}
 local packed = ARGV[4]
@@ -30,19 +32,5 @@ end
 redis.call('PEXPIREAT', key, expiry, 'GT')
 if redis.call('PTTL', key) == -1 then redis.call('PEXPIREAT', key, expiry) end
 redis.call('SADD', KEYS[2], ARGV[1])
--- amortised sweep: continue the pass whose cursor is kept beside the hash; a finished
--- pass leaves in <key>:swept the router's time at which the next may start (route.lua's
--- sweep: due at once when more than SWEEP_SKEW_MS ahead)
-local SWEEP_PAUSE_MS, SWEEP_SKEW_MS = 1000, 10000
-local ckey, skey = key .. ':cursor', key .. ':swept'
-local resume = tonumber(redis.call('GET', skey))
-if resume and now < resume and resume <= now + SWEEP_SKEW_MS then return #hs end
-local res = redis.call('HSCAN', key, redis.call('GET', ckey) or '0', 'COUNT', 64)
-for k = 1, #res[2], 2 do
-  if tonumber(res[2][k + 1]) <= now then redis.call('HDEL', key, res[2][k]) end
-end
-redis.call('SET', ckey, res[1], 'PX', 3600000)
-if res[1] == '0' then
-  redis.call('SET', skey, string.format('%d', now + SWEEP_PAUSE_MS), 'PX', 3600000)
-end
+sweep(key, now, 64)  -- sweep.lua
 return #hs

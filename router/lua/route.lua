@@ -201,27 +201,7 @@ redis.call('HSET', load, chosen .. ':n', tonumber(v[3 * pick - 2] or '0') + 1,
 redis.call('HSET', leases, req, chosen .. '|' .. unc .. '|0|' .. owner)
 redis.call('SET', heartbeat, 1, 'PX', heartbeat_ttl)
 
--- The amortised sweep of a predicted hash (as record_predicted.lua's): continue the pass
--- whose cursor is kept beside the hash (<pkey>:cursor), ``count`` fields. A finished pass
--- leaves in <pkey>:swept the router's time (ARGV 2) at which the next may start; the
--- cursor itself stays an HSCAN cursor, so a router of an earlier version sharing the
--- namespace reads it as before. A mark more than SWEEP_SKEW_MS ahead (written by a router
--- whose clock runs far ahead) is due at once; within it, routers whose clocks differ by
--- less keep the pause.
-local SWEEP_PAUSE_MS, SWEEP_SKEW_MS = 1000, 10000
-local function sweep(pkey, count)
-  local ckey, skey = pkey .. ':cursor', pkey .. ':swept'
-  local resume = tonumber(redis.call('GET', skey))
-  if resume and now < resume and resume <= now + SWEEP_SKEW_MS then return end
-  local res = redis.call('HSCAN', pkey, redis.call('GET', ckey) or '0', 'COUNT', count)
-  for k = 1, #res[2], 2 do
-    if tonumber(res[2][k + 1]) <= now then redis.call('HDEL', pkey, res[2][k]) end
-  end
-  redis.call('SET', ckey, res[1], 'PX', 3600000)
-  if res[1] == '0' then
-    redis.call('SET', skey, string.format('%d', now + SWEEP_PAUSE_MS), 'PX', 3600000)
-  end
-end
+--! include sweep.lua
 
 -- 5. predicted entries for the chosen replica (as record_predicted.lua), for the blocks past
 --    its exact run only: the engine already holds the run, and its KV events keep those
@@ -231,9 +211,7 @@ end
 --    entries go while the hash keeps being refreshed (without the sweep a replica taking
 --    new prompts all the time kept every expired field: the hash only expires whole). A
 --    pass of the sweep ends when its cursor comes back to 0; the next pass starts
---    SWEEP_PAUSE_MS later. Without the pause a small hash (a listpack: up to
---    hash-max-listpack-entries fields, 128 by default), which HSCAN returns whole, was
---    read whole on every write, and a large one was swept again as soon as a pass ended.
+--    SWEEP_PAUSE_MS later (sweep.lua).
 local first = fresh_run[pick] + 1  -- the fresh run holds the exact run
 if first <= nblocks then
   upto(nblocks)
@@ -249,7 +227,7 @@ if first <= nblocks then
   redis.call('PEXPIREAT', pkey, expiry, 'GT')
   if redis.call('PTTL', pkey) == -1 then redis.call('PEXPIREAT', pkey, expiry) end
   redis.call('SADD', replicas_set, chosen)
-  sweep(pkey, 2 * (nblocks - first + 1) + 16)
+  sweep(pkey, now, 2 * (nblocks - first + 1) + 16)
 end
 
 local out = {pick}
