@@ -418,11 +418,11 @@ class RelayResponse(StreamingResponse):
         if scope["type"] != "http":
             await super().__call__(scope, receive, send)
             return
-        spec = tuple(map(int, scope.get("asgi", {}).get("spec_version", "2.0").split(".")))
         try:
             await relay_until_disconnect(lambda: self.stream_response(send), receive)
         except OSError as exc:  # a server of spec 2.4 raises on a send after a disconnect
-            if spec < (2, 4):
+            spec = scope.get("asgi", {}).get("spec_version", "2.0")
+            if tuple(map(int, spec.split("."))) < (2, 4):
                 raise
             raise ClientDisconnect() from exc
         if self.background is not None:
