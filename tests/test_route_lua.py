@@ -273,6 +273,88 @@ async def test_routing_core_uses_the_atomic_path_and_falls_back_when_redis_fails
     await core.index.flush()
 
 
+async def test_a_route_script_that_answers_late_has_its_prediction_moved_to_the_fallbacks_choice(
+        own_redis):
+    """The route script missed the deadline but Redis still ran it: it chose one replica and
+    wrote predicted entries there, while the request went by the fallback to the other. Its
+    entries are taken back and the request's replica gets them, so the conversation's next
+    turn follows the request, not the script (an end-to-end test once failed on exactly
+    this: its second turn went to the replica that had never seen the first)."""
+    import redis as sync_redis
+    from router.routing import core as core_module
+
+    ns = "t"
+    settings = Settings(redis_url=own_redis.url, index_namespace=ns)
+    conn = RedisConnections(own_redis.url, 0.05)
+    index, load = RedisPrefixIndex(own_redis.url, ns, connections=conn), \
+        RedisLoadTracker(conn, ns)
+    core = RoutingCore(settings, index, load, PrefixAware(random.Random(0)),
+                       atomic=AtomicRoute(index, load))
+    admin = sync_redis.Redis.from_url(own_redis.url)
+    reps = [ReplicaInfo("a", {}, {}), ReplicaInfo("b", {}, {})]
+    hashes = list(range(1000, 1040))
+    tokens = len(hashes) * settings.block_size
+    # Redis sees b busy and nothing cached: the script will choose a; this router's own
+    # recent decisions (the fallback's view) have the prompt on b: the fallback chooses b
+    await load.reserve("other", "b", 0)
+    core.recent.record("b", hashes, settings.predicted_ttl_s)
+    admin.execute_command("CLIENT", "PAUSE", 300, "WRITE")  # reads are still answered
+    d = await core.decide("q1", tokens, hashes, reps)
+    assert (d.replica, d.reason) == ("b", "fallback")
+    await asyncio.sleep(0.4)  # the pause ends and the script runs
+    for _ in range(50):  # the settlement follows
+        if not core_module._RELEASING:
+            break
+        await asyncio.sleep(0.1)
+    assert not core_module._RELEASING
+    assert admin.hget(f"{ns}:load", "a:t") is not None  # the script did run, and chose a
+    matched = await index.lookup(hashes, ["a", "b"])
+    assert matched == {"a": 0, "b": len(hashes)}, matched
+    # the next turn goes where the first one went
+    d2 = await core.decide("q2", tokens + 64, hashes + [2000, 2001], reps)
+    assert (d2.replica, d2.reason) == ("b", "cache")
+    await load.close()
+    await conn.close()
+
+
+async def test_a_call_left_running_is_bounded_and_cancelled_with_its_caller(own_redis):
+    """``call_or_leave``: within the bound it answers; past it the call keeps running and its
+    answer comes later; at most ``MAX_LATE_CALLS`` are left running (then it fails as a
+    plain call); a cancelled caller cancels its call."""
+    import redis as sync_redis
+    from router.index.base import IndexUnavailable
+    from router.index.redis import LateCall
+
+    conn = RedisConnections(own_redis.url, 0.05)
+    admin = sync_redis.Redis.from_url(own_redis.url)
+
+    async def incr(client):
+        return await client.incr("n")
+
+    assert await conn.call_or_leave(incr) == 1
+    admin.execute_command("CLIENT", "PAUSE", 300, "WRITE")
+    with pytest.raises(LateCall) as late:
+        await conn.call_or_leave(incr)
+    assert await late.value.reply == 2  # answered once the pause ended
+    conn.MAX_LATE_CALLS = 1
+    admin.execute_command("CLIENT", "PAUSE", 300, "WRITE")
+    with pytest.raises(LateCall) as late:
+        await conn.call_or_leave(incr)
+    with pytest.raises(IndexUnavailable) as refused:
+        await conn.call_or_leave(incr)
+    assert not isinstance(refused.value, LateCall)
+    waiting = asyncio.ensure_future(conn.call_or_leave(incr))
+    await asyncio.sleep(0.01)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    assert await late.value.reply == 3
+    await asyncio.sleep(0.1)
+    # the refused call and the cancelled one may have reached Redis before being cut
+    assert int(admin.get("n")) <= 5
+    await conn.close()
+
+
 async def test_a_burst_of_prompts_with_nothing_to_look_up_spreads_evenly():
     """Prompts shorter than a block have no hash to look up, so they are decided by load
     alone; decided at once by several routers, each decision must see the others'

@@ -112,6 +112,10 @@ class RedisConnections:
 
     # bound of the calls that must not be lost (lease releases): longer than a routing call's
     MAINTENANCE_TIMEOUT_S = 2.0
+    # how long a call left running past the routing bound may still answer (call_or_leave),
+    # and how many may be left running at once in a process
+    LATE_REPLY_S = 2.0
+    MAX_LATE_CALLS = 256
 
     def __init__(self, url: str, timeout_s: float,
                  connection_kwargs: dict[str, Any] | None = None, cluster: bool = False):
@@ -122,6 +126,7 @@ class RedisConnections:
         self.shown_url = redact_url(url)  # for messages: never the password
         self._clients: dict[tuple[int, float], Any] = {}
         self._topology_reads: dict[int, asyncio.Future] = {}  # cluster client id -> read
+        self._late: set[asyncio.Future] = set()  # calls left running (call_or_leave)
 
     def client(self, timeout_s: float | None = None) -> aioredis.Redis:
         """This event loop's client whose connect timeout is ``timeout_s`` (default: the
@@ -156,13 +161,16 @@ class RedisConnections:
             self._clients[key] = c
         return c
 
-    async def call(self, coro_fn, *args: Any, maintenance: bool = False) -> Any:
+    async def call(self, coro_fn, *args: Any, maintenance: bool = False,
+                   bound_s: float | None = None) -> Any:
         """Run ``coro_fn(client, *args)`` bounded by the routing timeout, or by
         ``MAINTENANCE_TIMEOUT_S`` for ``maintenance`` calls (those that must not be lost
-        because a loaded machine answered late); errors become IndexUnavailable."""
+        because a loaded machine answered late; their client connects within that bound
+        too), or by ``bound_s`` on the routing client (connect within the routing timeout);
+        errors become IndexUnavailable."""
         t = max(self.timeout_s, self.MAINTENANCE_TIMEOUT_S) if maintenance else self.timeout_s
         try:
-            async with asyncio.timeout(t):  # no extra task, unlike wait_for
+            async with asyncio.timeout(max(t, bound_s or 0)):  # no task, unlike wait_for
                 client = self.client(t)
                 if self.cluster and getattr(client, "_initialize", False):
                     await asyncio.shield(self._topology(client))
@@ -170,6 +178,45 @@ class RedisConnections:
         except (RedisError, RedisClusterException, OSError, asyncio.TimeoutError) as exc:
             raise IndexUnavailable(f"redis at {self.shown_url}: {type(exc).__name__}: "
                                    f"{exc}") from exc
+
+    async def call_or_leave(self, coro_fn, *args: Any) -> Any:
+        """``call`` for a call whose effect must be known even when its answer is late (the
+        route script: it reserves and writes predicted entries whether or not its caller
+        still waits).
+
+        Within the routing bound it is ``call``. Past it, the call is left running in a task
+        of its own, bounded by ``LATE_REPLY_S`` (its connection is not cut, so Redis still
+        answers it), and ``LateCall`` is raised with that task: the caller routes without
+        the answer and settles with it when it comes (``router.routing.core``). At most
+        ``MAX_LATE_CALLS`` are left running at once per process; past that, a late call is
+        cancelled as ``call`` cancels it (a Redis that hangs cannot pile up tasks).
+
+        Raises:
+            LateCall: the answer is not in yet (an ``IndexUnavailable``).
+            IndexUnavailable: Redis failed or refused within the bound.
+            asyncio.CancelledError: the caller was cancelled; the call is cancelled with it.
+        """
+        task = asyncio.ensure_future(self.call(coro_fn, *args, bound_s=self.LATE_REPLY_S))
+        try:
+            done, _ = await asyncio.wait((task,), timeout=self.timeout_s)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        if done:
+            return task.result()
+        if len(self._late) >= self.MAX_LATE_CALLS:
+            task.cancel()
+            raise IndexUnavailable(f"redis at {self.shown_url}: no answer within "
+                                   f"{self.timeout_s * 1000:g} ms")
+        self._late.add(task)
+        task.add_done_callback(self._late_done)
+        raise LateCall(f"redis at {self.shown_url}: no answer within "
+                       f"{self.timeout_s * 1000:g} ms (left running)", task)
+
+    def _late_done(self, task: asyncio.Future) -> None:
+        self._late.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a late call's error is the settler's to read
 
     def _topology(self, client) -> asyncio.Future:
         """The cluster ``client``'s topology read (``RedisCluster.initialize``: the slots and
@@ -194,13 +241,30 @@ class RedisConnections:
         return task
 
     async def close(self) -> None:
-        loop = id(asyncio.get_running_loop())
+        running = asyncio.get_running_loop()
+        for task in [t for t in self._late if t.get_loop() is running]:
+            task.cancel()  # a late answer has nobody left to settle it
+        loop = id(running)
         for key in [k for k in self._clients if k[0] == loop]:
             client = self._clients.pop(key)
             task = self._topology_reads.pop(id(client), None)
             if task is not None and not task.done():
                 task.cancel()
             await client.aclose()
+
+
+class LateCall(IndexUnavailable):
+    """A Redis call whose answer did not come within the routing bound and that was left
+    running (``RedisConnections.call_or_leave``).
+
+    Attributes:
+        reply: the call's task; its result is the call's, or it raises ``IndexUnavailable``
+            (Redis failed, or ``LATE_REPLY_S`` passed) or ``CancelledError``.
+    """
+
+    def __init__(self, message: str, reply: asyncio.Future):
+        super().__init__(message)
+        self.reply = reply
 
 
 async def each_group(parts: dict[int, list[str]], one) -> list[tuple[list[str], Any]]:

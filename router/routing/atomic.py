@@ -14,10 +14,12 @@ round trip, to one shard, atomic among every router deciding in that group.
 
 from __future__ import annotations
 
+import asyncio
 import math
 from typing import Sequence
 
-from router.index.redis import RedisPrefixIndex
+from router.index.base import IndexUnavailable
+from router.index.redis import LateCall, RedisPrefixIndex
 from router.load.redis import RedisLoadTracker
 from router.policy.base import Policy, cached_tokens
 from router.policy.prefix_aware import PrefixAware
@@ -79,6 +81,8 @@ class AtomicRoute:
             (chosen replica, matched blocks per replica). With shard groups, the matched
             blocks of the replicas outside the chosen group are 0 (not looked up).
         Raises:
+            LateRoute: no answer within the routing bound; the script may still run
+                (``settle``).
             IndexUnavailable: Redis failed; nothing was reserved in Redis.
         """
         load, groups = self.load, self.index.groups
@@ -97,17 +101,22 @@ class AtomicRoute:
         keys, lkeys = groups.keys[group], load.groups.keys[group]
         redis_keys = [k for r in replicas for k in keys.replica_entries(r)] + [
             keys.replicas, lkeys.load, lkeys.leases, load.heartbeat_key_of(group)]
-        args = ["route", int(load.clock.now() * 1000), len(replicas), pack_hashes(block_hashes),
+        now_ms, ttls_ms = int(load.clock.now() * 1000), [int(t * 1000) for t in ttls_s]
+        args = ["route", now_ms, len(replicas), pack_hashes(block_hashes),
                 request_id, load.lease_owner(request_id), prompt_tokens, block_size, prefill_rate,
                 work_weight, decode_step_s_per_seq, step_token_budget, tie_abs_s, tie_rel,
                 min(load_factor, 1e9), u, int(load.heartbeat_ttl_s * 1000),
                 int(max_inflight or 0), running_weight, interference, expected_output_tokens,
-                *(int(t * 1000) for t in ttls_s), *replicas]
+                *ttls_ms, *replicas]
 
         async def run(client):
             return await load.scripts.of(client).route(keys=redis_keys, args=args)
 
-        res = await load.conn.call(run)
+        try:
+            res = await load.conn.call_or_leave(run)
+        except LateCall as exc:
+            raise LateRoute(str(exc), exc.reply, list(replicas), now_ms, ttls_ms,
+                            group) from None
         chosen = replicas[int(res[0]) - 1]
         matched = {r: int(n) for r, n in zip(replicas, res[1:len(replicas) + 1])}
         cached = cached_tokens(matched[chosen], prompt_tokens, block_size)
@@ -116,3 +125,54 @@ class AtomicRoute:
             self.first_level.observe(group, block_hashes, int(res[len(replicas) + 1]))
             matched = {r: matched.get(r, 0) for r in everyone}
         return chosen, matched
+
+    async def settle(self, late: "LateRoute", routed: str,
+                     block_hashes: Sequence[int]) -> str | None:
+        """After a late route (``LateRoute``) whose request went to ``routed``: wait for the
+        script's answer (at most ``RedisConnections.LATE_REPLY_S``) and, when it chose
+        another replica, take back the predicted entries it wrote there
+        (``lua/retract_predicted.lua``: the fields holding exactly its expiry). Its lease
+        needs nothing: the request's later reservation, or its release, ends it (leases
+        carry their attempt, ``router.load.redis``).
+
+        Returns:
+            The script's choice, or None when it never answered (it failed, or ran out of
+            time: then nothing is known, and nothing is taken back).
+        Raises:
+            IndexUnavailable: the retraction failed (the script's choice was another).
+        """
+        try:
+            res = await late.reply
+        except (IndexUnavailable, asyncio.CancelledError):
+            return None
+        chosen = late.replicas[int(res[0]) - 1]
+        if chosen != routed:
+            stamp = str(late.now_ms + late.ttls_ms[late.replicas.index(chosen)])
+            pkey = self.index.groups.keys[late.group].replica_entries(chosen)[1]
+            packed = pack_hashes(block_hashes)
+
+            async def run(client):
+                return await self.load.scripts.of(client).retract_predicted(
+                    keys=[pkey], args=[stamp, packed])
+
+            await self.load.conn.call(run, maintenance=True)
+        return chosen
+
+
+class LateRoute(LateCall):
+    """A route script sent but not answered within the routing bound (``AtomicRoute.route``):
+    the request is routed without it, and ``AtomicRoute.settle`` reads its answer when it
+    comes, to take back what it wrote for a replica the request did not go to.
+
+    Attributes:
+        reply: the script call's task (``LateCall.reply``).
+        replicas: the script's candidates, in its order (its answer's index is 1-based).
+        now_ms: the script's clock (ms); ttls_ms: per candidate, the TTL of its predicted
+            entries (ms). An entry the script wrote expires at exactly their sum.
+        group: the shard group whose keys the script ran on (0 without groups).
+    """
+
+    def __init__(self, message: str, reply: asyncio.Future, replicas: list[str],
+                 now_ms: int, ttls_ms: list[int], group: int):
+        super().__init__(message, reply)
+        self.replicas, self.now_ms, self.ttls_ms, self.group = replicas, now_ms, ttls_ms, group

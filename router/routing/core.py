@@ -184,6 +184,7 @@ class RoutingCore:
         _, pool, cache_aware = await self._pool(replicas, block_hashes, cacheable, adapter)
         decision = None
         index_failed = False
+        late = None  # a route script left running past the deadline (LateRoute)
         pinned, outcome = None, None
         # a sampled decision's (request, candidates, seconds spent, live policy's copy)
         observed: list | None = None
@@ -205,6 +206,8 @@ class RoutingCore:
             except IndexUnavailable as exc:
                 self._index_error(exc, "route")
                 index_failed = True
+                from router.routing.atomic import LateRoute
+                late = exc if isinstance(exc, LateRoute) else None
         if decision is None:
             decision = await self._decide_here(inp, pool, policy, cache_aware, index_failed,
                                                observed)
@@ -220,7 +223,34 @@ class RoutingCore:
             self.recent.record(decision.replica, block_hashes, self.settings.predicted_ttl_s)
         if self.health is not None:
             self.health.routed(decision.replica)  # a half-open replica's probe
+        if late is not None:
+            routed = next(r for r in pool if r.replica_id == decision.replica)
+            _background(self._settle_late(late, routed, inp.block_hashes, cache_aware))
         return decision
+
+    async def _settle_late(self, late, routed: ReplicaInfo,
+                           block_hashes: Sequence[int], cache_aware: bool) -> None:
+        """A late route script's (``router.routing.atomic.LateRoute``) answer, once it comes (``AtomicRoute.settle``): when it
+        chose another replica than the one the request went to, the entries it predicted
+        there are taken back and the request's own replica gets its predicted entries (the
+        fallback wrote none: the index had failed). Left as they were, a conversation's
+        next turn followed the script's prediction to a replica that never saw the
+        conversation. Counted in ``router_late_routes_total`` by outcome: ``same`` (it
+        chose the request's replica), ``moved`` (taken back), ``lost`` (no answer: nothing
+        is known, nothing changed), ``failed`` (the correction's own call failed)."""
+        from router import metrics
+
+        try:
+            chosen = await self.atomic.settle(late, routed.replica_id, block_hashes)
+            outcome = "lost" if chosen is None else "same" if chosen == routed.replica_id \
+                else "moved"
+            if outcome == "moved" and cache_aware:
+                await self.index.record_predicted(routed.replica_id, block_hashes,
+                                                  self.predicted_ttl_s(routed))
+        except IndexUnavailable as exc:
+            logger.warning("a late route's correction failed: %s", exc)
+            outcome = "failed"
+        metrics.inc("late_routes", tags={"outcome": outcome})
 
     async def _pool(self, replicas: Sequence[ReplicaInfo], block_hashes: Sequence[int],
                     cacheable: bool, adapter: str | None
@@ -588,6 +618,15 @@ class RoutingCore:
 
 
 _RELEASING: set = set()  # releases still running (the event loop keeps only weak refs)
+
+
+def _background(coro) -> None:
+    """Run ``coro`` in a task that outlives the request, kept until it ends."""
+    import asyncio
+
+    task = asyncio.get_running_loop().create_task(coro)
+    _RELEASING.add(task)
+    task.add_done_callback(_RELEASING.discard)
 
 
 def release_soon(load: LoadTracker, request_id: str):
