@@ -196,13 +196,21 @@ class RedisConnections:
             IndexUnavailable: Redis failed or refused within the bound.
             asyncio.CancelledError: the caller was cancelled; the call is cancelled with it.
         """
-        task = asyncio.ensure_future(self.call(coro_fn, *args, bound_s=self.LATE_REPLY_S))
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(self.call(coro_fn, *args, bound_s=self.LATE_REPLY_S))
+        # the cheapest wait with a bound that leaves the task running (asyncio.wait and
+        # shield cost 10-15 us more per call on the 2-core VM; the task itself about 20)
+        woken = loop.create_future()
+        task.add_done_callback(lambda _: _wake(woken))
+        timer = loop.call_later(self.timeout_s, _wake, woken)
         try:
-            done, _ = await asyncio.wait((task,), timeout=self.timeout_s)
+            await woken
         except asyncio.CancelledError:
             task.cancel()
             raise
-        if done:
+        finally:
+            timer.cancel()
+        if task.done():
             return task.result()
         if len(self._late) >= self.MAX_LATE_CALLS:
             task.cancel()
@@ -251,6 +259,11 @@ class RedisConnections:
             if task is not None and not task.done():
                 task.cancel()
             await client.aclose()
+
+
+def _wake(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 class LateCall(IndexUnavailable):

@@ -230,10 +230,11 @@ class RoutingCore:
 
     async def _settle_late(self, late, routed: ReplicaInfo,
                            block_hashes: Sequence[int], cache_aware: bool) -> None:
-        """A late route script's (``router.routing.atomic.LateRoute``) answer, once it comes (``AtomicRoute.settle``): when it
-        chose another replica than the one the request went to, the entries it predicted
-        there are taken back and the request's own replica gets its predicted entries (the
-        fallback wrote none: the index had failed). Left as they were, a conversation's
+        """A late route script's answer (``router.routing.atomic.LateRoute``), once it
+        comes (``AtomicRoute.settle``): when it chose another replica than the one the
+        request went to, the entries it predicted there are taken back and the request's
+        own replica gets its predicted entries (the fallback wrote none: the index had
+        failed). Left as they were, a conversation's
         next turn followed the script's prediction to a replica that never saw the
         conversation. Counted in ``router_late_routes_total`` by outcome: ``same`` (it
         chose the request's replica), ``moved`` (taken back), ``lost`` (no answer: nothing
@@ -617,28 +618,27 @@ class RoutingCore:
             self.on_index_error(exc, op)
 
 
-_RELEASING: set = set()  # releases still running (the event loop keeps only weak refs)
+# tasks that outlive their request (releases, late routes' settlements), still running:
+# the event loop keeps only weak references to tasks
+_RELEASING: set = set()
 
 
-def _background(coro) -> None:
-    """Run ``coro`` in a task that outlives the request, kept until it ends."""
+def _background(coro):
+    """Run ``coro`` in a task of its own, kept in ``_RELEASING`` until it ends (a
+    cancellation of the caller cannot stop it half-way); returns the task."""
     import asyncio
 
     task = asyncio.get_running_loop().create_task(coro)
     _RELEASING.add(task)
     task.add_done_callback(_RELEASING.discard)
+    return task
 
 
 def release_soon(load: LoadTracker, request_id: str):
     """Release ``request_id``'s reservation in a task of its own, which a cancellation of
     the caller cannot stop half-way; returns the task (await it through
     ``asyncio.shield`` to wait for it)."""
-    import asyncio
-
-    task = asyncio.get_running_loop().create_task(load.release(request_id))
-    _RELEASING.add(task)
-    task.add_done_callback(_RELEASING.discard)
-    return task
+    return _background(load.release(request_id))
 
 
 def _admission():
