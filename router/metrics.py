@@ -148,10 +148,12 @@ def _make() -> dict[str, Any]:
             boundaries=PREDICTION_ERROR_BOUNDARIES_TOKENS, tag_keys=("direction",)),
         "late_routes": Counter(
             "router_late_routes_total",
-            "Route scripts answered after the routing deadline (the request went by the "
-            "fallback), by outcome: same (it chose that replica too), moved (its predicted "
-            "entries on its own choice taken back, the request's replica's written), lost "
-            "(no answer at all), failed (the correction failed).", tag_keys=("outcome",)),
+            "Route scripts that missed the routing deadline (the request went by the "
+            "fallback), settled once they answered, by outcome: same (it chose that replica "
+            "too), moved (it chose another: its new predicted entries dropped, its lease "
+            "ended, the request's replica's entries written), lost (it failed or never "
+            "answered), dropped (cut at the deadline: only its lease ended), failed (a "
+            "correction failed).", tag_keys=("outcome",)),
         "sessions": Counter("router_session_affinity_total",
                             "Requests of a session by what became of its pin: kept, new, "
                             "joined (another router pinned it first), yielded_dead, "

@@ -254,18 +254,15 @@ def load_lua(name: str) -> str:
 
 class Scripts:
     """The router's Lua scripts registered on one client (``redis.asyncio.Redis``), by
-    name: ``route``, ``lease``, ``record_predicted``, ``retract_predicted``,
-    ``apply_events``, ``rate_limit``.
+    name: ``route``, ``lease``, ``record_predicted``, ``apply_events``, ``rate_limit``.
     Registering sends nothing; the first call loads a script (``EVALSHA``, then ``EVAL``
     on a miss)."""
 
-    NAMES = ("route", "lease", "record_predicted", "retract_predicted", "apply_events",
-             "rate_limit")
+    NAMES = ("route", "lease", "record_predicted", "apply_events", "rate_limit")
     _sources: dict[str, str] = {}
     route: Any  # redis.commands.core.AsyncScript, each
     lease: Any
     record_predicted: Any
-    retract_predicted: Any
     apply_events: Any
     rate_limit: Any
 

@@ -189,7 +189,11 @@ class RedisConnections:
         answers it), and ``LateCall`` is raised with that task: the caller routes without
         the answer and settles with it when it comes (``router.routing.core``). At most
         ``MAX_LATE_CALLS`` are left running at once per process; past that, a late call is
-        cancelled as ``call`` cancels it (a Redis that hangs cannot pile up tasks).
+        cancelled as ``call`` cancels it (a Redis that hangs cannot pile up tasks), and
+        its ``LateCall`` has no reply.
+
+        Costs a task per call: about 30 us on the 2-core VM under load
+        (docs/architecture.md, "Redis layout and the atomic decision").
 
         Raises:
             LateCall: the answer is not in yet (an ``IndexUnavailable``).
@@ -214,8 +218,9 @@ class RedisConnections:
             return task.result()
         if len(self._late) >= self.MAX_LATE_CALLS:
             task.cancel()
-            raise IndexUnavailable(f"redis at {self.shown_url}: no answer within "
-                                   f"{self.timeout_s * 1000:g} ms")
+            raise LateCall(f"redis at {self.shown_url}: no answer within "
+                           f"{self.timeout_s * 1000:g} ms (cut: {self.MAX_LATE_CALLS} "
+                           f"late calls already running)", None)
         self._late.add(task)
         task.add_done_callback(self._late_done)
         raise LateCall(f"redis at {self.shown_url}: no answer within "
@@ -272,10 +277,12 @@ class LateCall(IndexUnavailable):
 
     Attributes:
         reply: the call's task; its result is the call's, or it raises ``IndexUnavailable``
-            (Redis failed, or ``LATE_REPLY_S`` passed) or ``CancelledError``.
+            (Redis failed, or ``LATE_REPLY_S`` passed) or ``CancelledError``. None when
+            the call was cut at the deadline (``MAX_LATE_CALLS`` running): whether it ran is
+            not known.
     """
 
-    def __init__(self, message: str, reply: asyncio.Future):
+    def __init__(self, message: str, reply: asyncio.Future | None):
         super().__init__(message)
         self.reply = reply
 
@@ -361,7 +368,10 @@ class RedisPrefixIndex(PrefixIndex):
         return {r: out[r] for r in replicas}
 
     async def record_predicted(self, replica: str, block_hashes: Sequence[BlockHash],
-                               ttl_s: float) -> None:
+                               ttl_s: float, maintenance: bool = False) -> None:
+        """As ``PrefixIndex.record_predicted``; ``maintenance``: bounded by
+        ``RedisConnections.MAINTENANCE_TIMEOUT_S``, not the routing bound (a correction
+        made off the request's path)."""
         if not block_hashes:
             return
         now = self._now_ms()
@@ -372,9 +382,11 @@ class RedisPrefixIndex(PrefixIndex):
         async def run(client):
             return await self.scripts.of(client).record_predicted(keys=keys, args=args)
 
-        await self.conn.call(run)
+        await self.conn.call(run, maintenance=maintenance)
 
-    async def forget_predicted(self, replica: str, block_hashes: Sequence[BlockHash]) -> None:
+    async def forget_predicted(self, replica: str, block_hashes: Sequence[BlockHash],
+                               maintenance: bool = False) -> None:
+        """As ``PrefixIndex.forget_predicted``; ``maintenance`` as in ``record_predicted``."""
         if not block_hashes:
             return
         key = self.keys_of(replica).predicted(replica)
@@ -386,7 +398,7 @@ class RedisPrefixIndex(PrefixIndex):
                 pipe.hdel(key, *fields[i:i + 1024])
             await pipe.execute()
 
-        await self.conn.call(run)
+        await self.conn.call(run, maintenance=maintenance)
 
     async def apply_events(self, replica: str, events: Sequence[KVEvent]) -> None:
         ops: list[Any] = []

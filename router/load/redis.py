@@ -393,6 +393,25 @@ class RedisLoadTracker(LoadTracker):
             del self._unreleased[request_id]
             self._stale.pop(request_id, None)
 
+    def holds(self, request_id: str) -> bool:
+        """Whether this router still holds a reservation of ``request_id`` (it is routed
+        and not released)."""
+        return self.local.reservation(request_id) is not None
+
+    async def release_attempt(self, request_id: str, owner: str, group: int) -> None:
+        """End, in ``group``, the lease of ``request_id`` that ``owner`` (one attempt's
+        ``lease_owner``) wrote, or an earlier attempt's; a later attempt's lease, or none,
+        is left as it is. For a write that reached Redis after its caller had moved on (a
+        route script that answered late, ``AtomicRoute.settle``). Bounded by the
+        maintenance timeout.
+
+        Raises:
+            IndexUnavailable: Redis did not take it.
+        """
+        await self.conn.call(lambda c: self.scripts.of(c).lease(
+            keys=self.group_keys(group), args=["release", request_id, owner]),
+            maintenance=True)
+
     async def retry_releases(self) -> int:
         """Retry the releases that failed; returns how many are still pending.
 

@@ -18,7 +18,6 @@ import asyncio
 import math
 from typing import Sequence
 
-from router.index.base import IndexUnavailable
 from router.index.redis import LateCall, RedisPrefixIndex
 from router.load.redis import RedisLoadTracker
 from router.policy.base import Policy, cached_tokens
@@ -101,13 +100,13 @@ class AtomicRoute:
         keys, lkeys = groups.keys[group], load.groups.keys[group]
         redis_keys = [k for r in replicas for k in keys.replica_entries(r)] + [
             keys.replicas, lkeys.load, lkeys.leases, load.heartbeat_key_of(group)]
-        now_ms, ttls_ms = int(load.clock.now() * 1000), [int(t * 1000) for t in ttls_s]
-        args = ["route", now_ms, len(replicas), pack_hashes(block_hashes),
-                request_id, load.lease_owner(request_id), prompt_tokens, block_size, prefill_rate,
+        owner = load.lease_owner(request_id)
+        args = ["route", int(load.clock.now() * 1000), len(replicas), pack_hashes(block_hashes),
+                request_id, owner, prompt_tokens, block_size, prefill_rate,
                 work_weight, decode_step_s_per_seq, step_token_budget, tie_abs_s, tie_rel,
                 min(load_factor, 1e9), u, int(load.heartbeat_ttl_s * 1000),
                 int(max_inflight or 0), running_weight, interference, expected_output_tokens,
-                *ttls_ms, *replicas]
+                *(int(t * 1000) for t in ttls_s), *replicas]
 
         async def run(client):
             return await load.scripts.of(client).route(keys=redis_keys, args=args)
@@ -115,8 +114,8 @@ class AtomicRoute:
         try:
             res = await load.conn.call_or_leave(run)
         except LateCall as exc:
-            raise LateRoute(str(exc), exc.reply, list(replicas), now_ms, ttls_ms,
-                            group) from None
+            raise LateRoute(str(exc), exc.reply, request_id, owner, list(replicas),
+                            block_hashes, group) from None
         chosen = replicas[int(res[0]) - 1]
         matched = {r: int(n) for r, n in zip(replicas, res[1:len(replicas) + 1])}
         cached = cached_tokens(matched[chosen], prompt_tokens, block_size)
@@ -126,53 +125,75 @@ class AtomicRoute:
             matched = {r: matched.get(r, 0) for r in everyone}
         return chosen, matched
 
-    async def settle(self, late: "LateRoute", routed: str,
-                     block_hashes: Sequence[int]) -> str | None:
-        """After a late route (``LateRoute``) whose request went to ``routed``: wait for the
-        script's answer (at most ``RedisConnections.LATE_REPLY_S``) and, when it chose
-        another replica, take back the predicted entries it wrote there
-        (``lua/retract_predicted.lua``: the fields holding exactly its expiry). Its lease
-        needs nothing: the request's later reservation, or its release, ends it (leases
-        carry their attempt, ``router.load.redis``).
+    async def settle(self, late: "LateRoute", routed: str | None,
+                     routed_ttl_s: float = 0.0) -> str:
+        """After a late route (``LateRoute``) whose request went to ``routed`` (None: it
+        went nowhere, its decision failed or was cancelled): wait for the script's answer
+        (at most ``RedisConnections.LATE_REPLY_S``), then undo what it did that the
+        request did not follow.
+
+        - Predicted entries: when it chose another replica, the entries it wrote there
+          for the blocks past that replica's match (those nothing predicted before; the
+          ones it refreshed stay) are dropped, and ``routed`` gets predicted entries for
+          the request's blocks (TTL ``routed_ttl_s``), which the fallback did not write.
+        - Its lease (this attempt's): ended when the request is no longer held here (the
+          script ran after the request's release: the lease would stay for the router's
+          life) or when it chose another replica (it ran after the fallback's
+          reservation, which it released: the load would count its replica, not the
+          request's). A later attempt's lease is never ended (``RedisLoadTracker.
+          release_attempt``).
+
+        Caveat: a request decided between the script and this correction that followed
+        its entries to its replica loses them there (``routed`` has them too, and the
+        engine's KV events bring that replica's exact entries back).
 
         Returns:
-            The script's choice, or None when it never answered (it failed, or ran out of
-            time: then nothing is known, and nothing is taken back).
+            ``same`` (it chose ``routed``), ``moved`` (another replica: corrected),
+            ``lost`` (it failed, or no answer within the bound: nothing is known),
+            ``dropped`` (it was cut at the deadline, ``MAX_LATE_CALLS`` being left running:
+            only its lease is ended, once it can no longer run).
         Raises:
-            IndexUnavailable: the retraction failed (the script's choice was another).
+            IndexUnavailable: a correction's call failed.
+            asyncio.CancelledError: this settlement was cancelled.
         """
-        try:
-            res = await late.reply
-        except (IndexUnavailable, asyncio.CancelledError):
-            return None
-        chosen = late.replicas[int(res[0]) - 1]
-        if chosen != routed:
-            stamp = str(late.now_ms + late.ttls_ms[late.replicas.index(chosen)])
-            pkey = self.index.groups.keys[late.group].replica_entries(chosen)[1]
-            packed = pack_hashes(block_hashes)
-
-            async def run(client):
-                return await self.load.scripts.of(client).retract_predicted(
-                    keys=[pkey], args=[stamp, packed])
-
-            await self.load.conn.call(run, maintenance=True)
-        return chosen
+        if late.reply is None:
+            await asyncio.sleep(self.load.conn.LATE_REPLY_S)
+            await self.load.release_attempt(late.request_id, late.owner, late.group)
+            return "dropped"
+        await asyncio.wait((late.reply,))  # never cancels the call
+        if late.reply.cancelled() or late.reply.exception() is not None:
+            return "lost"
+        res = late.reply.result()
+        pick = int(res[0]) - 1
+        chosen, matched = late.replicas[pick], int(res[1 + pick])
+        moved = chosen != routed
+        if moved or not self.load.holds(late.request_id):
+            await self.load.release_attempt(late.request_id, late.owner, late.group)
+        if moved:
+            await self.index.forget_predicted(chosen, late.block_hashes[matched:],
+                                              maintenance=True)
+            if routed is not None:
+                await self.index.record_predicted(routed, late.block_hashes, routed_ttl_s,
+                                                  maintenance=True)
+        return "moved" if moved else "same"
 
 
 class LateRoute(LateCall):
     """A route script sent but not answered within the routing bound (``AtomicRoute.route``):
     the request is routed without it, and ``AtomicRoute.settle`` reads its answer when it
-    comes, to take back what it wrote for a replica the request did not go to.
+    comes, to undo what it did for a replica the request did not go to.
 
     Attributes:
-        reply: the script call's task (``LateCall.reply``).
+        reply: the script call's task, or None (``LateCall.reply``).
+        request_id / owner: the request and the attempt (``lease_owner``) the script
+            reserved for.
         replicas: the script's candidates, in its order (its answer's index is 1-based).
-        now_ms: the script's clock (ms); ttls_ms: per candidate, the TTL of its predicted
-            entries (ms). An entry the script wrote expires at exactly their sum.
+        block_hashes: the blocks the script was given (none for a prompt not looked up).
         group: the shard group whose keys the script ran on (0 without groups).
     """
 
-    def __init__(self, message: str, reply: asyncio.Future, replicas: list[str],
-                 now_ms: int, ttls_ms: list[int], group: int):
+    def __init__(self, message: str, reply: asyncio.Future | None, request_id: str,
+                 owner: str, replicas: list[str], block_hashes: Sequence[int], group: int):
         super().__init__(message, reply)
-        self.replicas, self.now_ms, self.ttls_ms, self.group = replicas, now_ms, ttls_ms, group
+        self.request_id, self.owner, self.group = request_id, owner, group
+        self.replicas, self.block_hashes = replicas, list(block_hashes)

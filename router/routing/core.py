@@ -155,6 +155,9 @@ class RoutingCore:
         script (``atomic``); otherwise the index is looked up and the policy chooses here.
         When the index fails, the decision is a fallback: the policy sees this router's
         recent decisions only (``RecentDecisions``) and no predicted entries are written.
+        A route script that missed the deadline may still run: once it answers, what it
+        did that the request did not follow is undone in the background
+        (``_settle_late``), whether or not this decision completed.
 
         A request of a session (``session``: its ``router.routing.sessions.session_key``)
         goes to the replica its session is pinned to while that replica is usable and not
@@ -180,11 +183,24 @@ class RoutingCore:
         """
         inp = RouteInput(request_id, prompt_tokens, block_hashes, cacheable, text,
                          first_user_text, session)
-        policy = policy or self.policy
-        _, pool, cache_aware = await self._pool(replicas, block_hashes, cacheable, adapter)
+        late: list = []  # the LateRoute of a route script that missed the deadline
+        decision = None
+        try:
+            decision = await self._decide(inp, replicas, policy or self.policy, adapter, late)
+            return decision
+        finally:  # also when the decision failed or was cancelled: the script may have run
+            if late:
+                routed = decision and next((r for r in replicas
+                                            if r.replica_id == decision.replica), None)
+                _background(self._settle_late(late[0], routed))
+
+    async def _decide(self, inp: RouteInput, replicas: Sequence[ReplicaInfo], policy: Policy,
+                      adapter: str | None, late: list) -> Decision:
+        """``decide``'s work; a ``LateRoute`` of its script goes to ``late``."""
+        block_hashes, session = inp.block_hashes, inp.session
+        _, pool, cache_aware = await self._pool(replicas, block_hashes, inp.cacheable, adapter)
         decision = None
         index_failed = False
-        late = None  # a route script left running past the deadline (LateRoute)
         pinned, outcome = None, None
         # a sampled decision's (request, candidates, seconds spent, live policy's copy)
         observed: list | None = None
@@ -207,7 +223,8 @@ class RoutingCore:
                 self._index_error(exc, "route")
                 index_failed = True
                 from router.routing.atomic import LateRoute
-                late = exc if isinstance(exc, LateRoute) else None
+                if isinstance(exc, LateRoute):
+                    late.append(exc)
         if decision is None:
             decision = await self._decide_here(inp, pool, policy, cache_aware, index_failed,
                                                observed)
@@ -223,31 +240,21 @@ class RoutingCore:
             self.recent.record(decision.replica, block_hashes, self.settings.predicted_ttl_s)
         if self.health is not None:
             self.health.routed(decision.replica)  # a half-open replica's probe
-        if late is not None:
-            routed = next(r for r in pool if r.replica_id == decision.replica)
-            _background(self._settle_late(late, routed, inp.block_hashes, cache_aware))
         return decision
 
-    async def _settle_late(self, late, routed: ReplicaInfo,
-                           block_hashes: Sequence[int], cache_aware: bool) -> None:
-        """A late route script's answer (``router.routing.atomic.LateRoute``), once it
-        comes (``AtomicRoute.settle``): when it chose another replica than the one the
-        request went to, the entries it predicted there are taken back and the request's
-        own replica gets its predicted entries (the fallback wrote none: the index had
-        failed). Left as they were, a conversation's
-        next turn followed the script's prediction to a replica that never saw the
-        conversation. Counted in ``router_late_routes_total`` by outcome: ``same`` (it
-        chose the request's replica), ``moved`` (taken back), ``lost`` (no answer: nothing
-        is known, nothing changed), ``failed`` (the correction's own call failed)."""
+    async def _settle_late(self, late, routed: ReplicaInfo | None) -> None:
+        """Undo what a route script that answered late (``router.routing.atomic.
+        LateRoute``) did that its request did not follow (``AtomicRoute.settle``): left as
+        they were, its predicted entries sent a conversation's next turn to a replica that
+        never saw the conversation. ``routed``: where the request went (None: nowhere).
+        Counted in ``router_late_routes_total`` by outcome (``settle``'s, or ``failed``
+        when a correction's call failed)."""
         from router import metrics
 
         try:
-            chosen = await self.atomic.settle(late, routed.replica_id, block_hashes)
-            outcome = "lost" if chosen is None else "same" if chosen == routed.replica_id \
-                else "moved"
-            if outcome == "moved" and cache_aware:
-                await self.index.record_predicted(routed.replica_id, block_hashes,
-                                                  self.predicted_ttl_s(routed))
+            outcome = await self.atomic.settle(
+                late, routed and routed.replica_id,
+                self.predicted_ttl_s(routed) if routed else 0.0)
         except IndexUnavailable as exc:
             logger.warning("a late route's correction failed: %s", exc)
             outcome = "failed"
