@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import sys
 from typing import Any, Sequence
 
 import redis.asyncio as aioredis
@@ -201,7 +202,11 @@ class RedisConnections:
             asyncio.CancelledError: the caller was cancelled; the call is cancelled with it.
         """
         loop = asyncio.get_running_loop()
-        task = loop.create_task(self.call(coro_fn, *args, bound_s=self.LATE_REPLY_S))
+        call = self.call(coro_fn, *args, bound_s=self.LATE_REPLY_S)
+        # started at once where Python can (3.12+: it sends its command now, not on the
+        # loop's next turn)
+        task = asyncio.Task(call, loop=loop, eager_start=True) if _EAGER_TASKS \
+            else loop.create_task(call)
         # the cheapest wait with a bound that leaves the task running (asyncio.wait and
         # shield cost 10-15 us more per call on the 2-core VM; the task itself about 20)
         woken = loop.create_future()
@@ -264,6 +269,9 @@ class RedisConnections:
             if task is not None and not task.done():
                 task.cancel()
             await client.aclose()
+
+
+_EAGER_TASKS = sys.version_info >= (3, 12)
 
 
 def _wake(fut: asyncio.Future) -> None:
