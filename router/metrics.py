@@ -152,7 +152,7 @@ def _make() -> dict[str, Any]:
             "fallback), settled once they answered, by outcome: same (it chose that replica "
             "too), moved (it chose another: its new predicted entries dropped, its lease "
             "ended, the request's replica's entries written), lost (it failed or never "
-            "answered), dropped (cut at the deadline: only its lease ended), failed (a "
+            "answered), dropped (cut at the deadline: nothing undone), failed (a "
             "correction failed).", tag_keys=("outcome",)),
         "sessions": Counter("router_session_affinity_total",
                             "Requests of a session by what became of its pin: kept, new, "

@@ -151,14 +151,13 @@ class AtomicRoute:
             ``same`` (it chose ``routed``), ``moved`` (another replica: corrected),
             ``lost`` (it failed, or no answer within the bound: nothing is known),
             ``dropped`` (it was cut at the deadline, ``MAX_LATE_CALLS`` being left running:
-            only its lease is ended, once it can no longer run).
+            whether it ran is not known, and nothing is undone; a Redis that answers
+            hundreds of calls late is an outage, which more calls would not help).
         Raises:
             IndexUnavailable: a correction's call failed.
             asyncio.CancelledError: this settlement was cancelled.
         """
         if late.reply is None:
-            await asyncio.sleep(self.load.conn.LATE_REPLY_S)
-            await self.load.release_attempt(late.request_id, late.owner, late.group)
             return "dropped"
         await asyncio.wait((late.reply,))  # never cancels the call
         if late.reply.cancelled() or late.reply.exception() is not None:
