@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import uuid
 
 import httpx
@@ -55,9 +56,12 @@ async def test_an_engine_that_hashes_otherwise_is_routed_on_predicted_entries_on
                                                                 sims["other"]])
     fleet = _fleet(settings, index, published)
     try:
+        t0 = time.monotonic()
         infos = {i.replica_id: i for i in await fleet.poll()}
+        polled_s = time.monotonic() - t0
         watch = fleet.replicas[sims["same"].replica_id].watch
-        assert watch.scrape_age_s() < 5.0  # the poll's scrape, reused by the autoscaler
+        # the poll scraped (the autoscaler reuses that scrape): it is no older than the poll
+        assert watch.scrape_age_s() <= polled_s
     finally:
         await fleet.stop()
     same, other = sims["same"].replica_id, sims["other"].replica_id

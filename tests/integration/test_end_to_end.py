@@ -90,7 +90,9 @@ def test_shadow_evaluation_reports_each_decision_and_the_live_copy_agrees(servic
     """With every decision sampled: each turn is evaluated by the live policy's copy and
     by the shadow policies; the copy's figure is the live prediction the response reports
     (x-predicted-cached-tokens), so the two counters move together, and the copy never
-    disagrees (one request at a time: nothing changes the state between read and choice)."""
+    disagrees (one request at a time: nothing changes the state between read and choice).
+    A turn routed by the fallback (the index missed its deadline on a loaded machine) is
+    not evaluated, by design (docs/architecture.md, "Shadow evaluation")."""
     def shadow():
         text = service.client.get("/metrics").text
         return {
@@ -115,11 +117,18 @@ def test_shadow_evaluation_reports_each_decision_and_the_live_copy_agrees(servic
 
     before = wait_until(quiet, 90, 0.1, "quiet shadow counters")
     turns = run_conversation(service, tokenizer, "e2e-shadow", turns=4, system_tokens=600)
-    after = wait_until(lambda: settled(before, 4), 60, 1.0, "the shadow counters")
-    assert after["n"] - before["n"] == 4 and after["disagree"] == before["disagree"]
-    predicted = sum(t[3] for t in turns)
+    evaluated = [t for t in turns if t[4] in ("cache", "load")]
+    assert len(evaluated) >= 2, turns  # the later turns at least (their prefix is held)
+    try:
+        after = wait_until(lambda: settled(before, len(evaluated)), 60, 1.0,
+                           "the shadow counters")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: before {before}, now {shadow()}, turns {turns}") from None
+    assert after["n"] - before["n"] == len(evaluated)
+    assert after["disagree"] == before["disagree"]
+    predicted = sum(t[3] for t in evaluated)
     assert predicted > 0 and after["copy"] - before["copy"] == predicted
-    assert after["rr"] - before["rr"] == 4
+    assert after["rr"] - before["rr"] == len(evaluated)
     assert after["rr_tokens"] - before["rr_tokens"] <= predicted  # never more than held
 
 
