@@ -221,15 +221,14 @@ class RedisConnections:
             timer.cancel()
         if task.done():
             return task.result()
+        late = f"redis at {self.shown_url}: no answer within {self.timeout_s * 1000:g} ms"
         if len(self._late) >= self.MAX_LATE_CALLS:
             task.cancel()
-            raise LateCall(f"redis at {self.shown_url}: no answer within "
-                           f"{self.timeout_s * 1000:g} ms (cut: {self.MAX_LATE_CALLS} "
-                           f"late calls already running)", None)
+            raise LateCall(f"{late} (cut: {self.MAX_LATE_CALLS} late calls already running)",
+                           None)
         self._late.add(task)
         task.add_done_callback(self._late_done)
-        raise LateCall(f"redis at {self.shown_url}: no answer within "
-                       f"{self.timeout_s * 1000:g} ms (left running)", task)
+        raise LateCall(f"{late} (left running)", task)
 
     def _late_done(self, task: asyncio.Future) -> None:
         self._late.discard(task)

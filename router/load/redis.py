@@ -385,9 +385,7 @@ class RedisLoadTracker(LoadTracker):
             IndexUnavailable: Redis did not take it.
         """
         group = self._release_group.get(request_id, 0) if self.groups.tagged else 0
-        await self.conn.call(lambda c: self.scripts.of(c).lease(
-            keys=self.group_keys(group), args=["release", request_id, owner]),
-            maintenance=True)
+        await self.release_attempt(request_id, owner, group)
         self._release_group.pop(request_id, None)
         if self._unreleased.get(request_id) == owner:
             del self._unreleased[request_id]
@@ -402,8 +400,8 @@ class RedisLoadTracker(LoadTracker):
         """End, in ``group``, the lease of ``request_id`` that ``owner`` (one attempt's
         ``lease_owner``) wrote, or an earlier attempt's; a later attempt's lease, or none,
         is left as it is. For a write that reached Redis after its caller had moved on (a
-        route script that answered late, ``AtomicRoute.settle``). Bounded by the
-        maintenance timeout.
+        route script that answered late, ``AtomicRoute.settle``; and every release,
+        ``_release``). Bounded by the maintenance timeout.
 
         Raises:
             IndexUnavailable: Redis did not take it.
