@@ -767,13 +767,49 @@ def cluster_text(rows: list[dict], memory: dict | None, memory_one: dict | None 
     return text
 
 
+CALLS_NOTES = """Reading: `RedisConnections.call` against `call_or_leave` (the route
+script's call: a task per call, so that a call past the routing bound is left running and
+settled, docs/fault-cases.md 8.3) on one connection, a PING each, in alternating blocks of 200
+on one event loop so that both see the same machine load; the medians and the added time per
+call. A routed request makes one such call."""
+
+
+async def bench_calls(url: str, iters: int = 20000, block: int = 200) -> dict:
+    """Time per Redis call (us) through ``RedisConnections.call`` and ``call_or_leave``,
+    ``iters`` PINGs in alternating blocks of ``block``; p50 and mean of each, and their
+    differences."""
+    conn = RedisConnections(url, 1.0)
+
+    async def ping(client):
+        return await client.ping()
+
+    times: dict[str, list[float]] = {"call": [], "call_or_leave": []}
+    for _ in range(block):  # connect and warm both paths
+        await conn.call(ping)
+        await conn.call_or_leave(ping)
+    for k in range(iters):
+        mode = "call_or_leave" if (k // block) % 2 else "call"
+        fn = conn.call_or_leave if mode == "call_or_leave" else conn.call
+        t0 = time.perf_counter()
+        await fn(ping)
+        times[mode].append(time.perf_counter() - t0)
+    await conn.close()
+    out = {"iters": iters, "block": block}
+    for mode, xs in times.items():
+        out[f"{mode}_p50_us"] = statistics.median(xs) * 1e6
+        out[f"{mode}_mean_us"] = statistics.fmean(xs) * 1e6
+    out["added_p50_us"] = out["call_or_leave_p50_us"] - out["call_p50_us"]
+    out["added_mean_us"] = out["call_or_leave_mean_us"] - out["call_mean_us"]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     ap.add_argument("--iters", type=int, default=2000,
                     help="requests per case up to 8k tokens (a tenth of it above): p99 of "
                          "2,000 is the 20th worst, steadier than 300's third worst")
-    ap.add_argument("--only", choices=["lookup", "turns", "overhead", "shadow", "cluster"],
+    ap.add_argument("--only", choices=["lookup", "turns", "overhead", "shadow", "cluster", "calls"],
                     default=None)
     ap.add_argument("--cluster-processes", type=int, default=4,
                     help="router processes deciding at once in the cluster benchmark")
@@ -870,6 +906,21 @@ def main(argv: list[str] | None = None) -> int:
         if not a.no_doc:
             write_benchmark_doc("Shadow evaluation" + a.suffix, cmd.strip(), text,
                                 SHADOW_NOTES)
+    if a.only in (None, "calls"):
+        import sys
+        row = asyncio.run(bench_calls(a.redis_url))
+        print(json.dumps(row), flush=True)
+        text = ("| Python | PINGs | call p50 (us) | call_or_leave p50 (us) | added p50 (us) | "
+                "call mean (us) | call_or_leave mean (us) | added mean (us) |\n"
+                "|---|---|---|---|---|---|---|---|\n"
+                f"| {sys.version_info.major}.{sys.version_info.minor} | {row['iters']} | "
+                f"{row['call_p50_us']:.1f} | {row['call_or_leave_p50_us']:.1f} | "
+                f"{row['added_p50_us']:.1f} | {row['call_mean_us']:.1f} | "
+                f"{row['call_or_leave_mean_us']:.1f} | {row['added_mean_us']:.1f} |")
+        print(text)
+        if not a.no_doc:
+            write_benchmark_doc("Redis call: left running past its bound" + a.suffix,
+                                cmd.strip(), text, CALLS_NOTES)
     if a.only in (None, "cluster"):
         import tempfile
         rows = []

@@ -193,8 +193,8 @@ class RedisConnections:
         cancelled as ``call`` cancels it (a Redis that hangs cannot pile up tasks), and
         its ``LateCall`` has no reply.
 
-        Costs a task per call: about 30 us on the 2-core VM under load
-        (docs/architecture.md, "Redis layout and the atomic decision").
+        Costs a task per call: 28 us more than ``call`` on the 2-core VM
+        (``python -m loadtest.index_bench --only calls``, docs/benchmarks.md).
 
         Raises:
             LateCall: the answer is not in yet (an ``IndexUnavailable``).
