@@ -223,6 +223,8 @@ class LoadField(str, Enum):
     INFLIGHT = "n"
     PREFILL_TOKENS = "p"
     LAST_ASSIGNED_MS = "t"
+    PLACEMENTS = "k"       # new prefixes placed there, a decaying count (ReplicaLoad)
+    PLACEMENTS_AT_MS = "kt"
 
     def of(self, replica: str) -> str:
         """The field name for ``replica``."""

@@ -158,3 +158,44 @@ async def test_a_removed_replica_has_no_load_and_its_requests_release_cleanly(lo
     await load.release("q1")  # its ingress finishes it later: nothing goes negative
     a = await _load(load)
     assert (a.inflight, a.prefill_tokens) == (0, 0)
+
+
+async def test_new_prefix_placements_decay_over_the_window():
+    """``MemoryLoadTracker.placed``: a count that decays with the window as time constant,
+    read back with the time it was written at."""
+    import math
+    from router.load.base import decayed_placements
+    clock = ManualClock(10.0)
+    t = MemoryLoadTracker(clock)
+    await t.placed("a", 2.0)
+    clock.advance(2.0)
+    await t.placed("a", 2.0)
+    load = (await t.loads(["a"]))["a"]
+    assert load.placements == pytest.approx(1 + math.exp(-1))
+    assert load.placements_at_s == 12.0
+    assert decayed_placements(load, 14.0, 2.0) == pytest.approx((1 + math.exp(-1)) / math.e)
+    assert decayed_placements(load, 14.0, 0.0) == 0.0
+    assert (await t.loads(["b"]))["b"].placements == 0.0
+
+
+async def test_mean_request_life_counts_the_requests_still_in_flight():
+    """``MemoryLoadTracker.mean_request_life_s``: the lives of the released requests plus
+    the ages of those in flight, over the number released (the exponential lifetime's
+    estimate under censoring); the ages alone before any release; 0 before any request."""
+    clock = ManualClock(0.0)
+    t = MemoryLoadTracker(clock)
+    assert t.mean_request_life_s() == 0.0
+    await t.reserve("a", "r", 10)
+    await t.reserve("b", "r", 10)
+    clock.advance(3.0)
+    assert t.mean_request_life_s() == pytest.approx(6.0)  # 3 + 3, none released yet
+    await t.release("a")
+    assert t.mean_request_life_s() == pytest.approx(6.0)  # 3 lived + 3 so far, over 1
+    await t.release("a")  # twice: once counted
+    await t.release("b")
+    assert t.mean_request_life_s() == pytest.approx(3.0, rel=1e-2)
+    await t.reserve("c", "r", 10)
+    await t.reserve("c", "r", 10)  # asked again: one request, one reservation time
+    clock.advance(1.0)
+    await t.release("c")
+    assert t.mean_request_life_s() == pytest.approx(7 / 3, rel=1e-2)

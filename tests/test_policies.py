@@ -260,3 +260,30 @@ def test_the_admission_bound_caps_the_load_bound():
     assert PA(max_inflight=2).choose(req, [warm, cold]).replica == "cold"
     full = Candidate("cold", 0, ReplicaLoad(2, 0, 0.0), 20000.0, 0.005)
     assert PA(max_inflight=2).choose(req, [warm, full]).replica == "warm"  # none free: cost
+
+
+def test_a_new_prefix_passes_over_a_replica_whose_new_prefixes_have_not_sent_their_requests():
+    """``PrefixAware``: r0 runs fewer requests, but three new prefixes were just placed
+    there and their later requests will follow them; a prefix no replica holds goes to r1.
+    A prefix r0 holds still goes to r0, and without a placement window (no request has
+    lived yet) the counts are not read."""
+    now = 100.0
+    loads = {"r0": ReplicaLoad(2, 0, now - 1, placements=3.0, placements_at_s=now),
+             "r1": ReplicaLoad(3, 0, now - 1)}
+
+    def choose(matched_r0: int, window_s: float) -> str:
+        cands = [Candidate(r, matched_r0 if r == "r0" else 0, loads[r], 20000.0, 0.005)
+                 for r in ("r0", "r1")]
+        req = RouteRequest(64 * 32 + 5, 32, 64, expected_output_tokens=200,
+                           placement_window_s=window_s, now_s=now)
+        return PrefixAware(random.Random(0)).choose(req, cands).replica
+
+    policy = PrefixAware(random.Random(0))
+    req = RouteRequest(2053, 32, 64, expected_output_tokens=200, placement_window_s=10.0,
+                       now_s=now)
+    cands = [Candidate(r, 0, loads[r]) for r in ("r0", "r1")]
+    # mean n 2.5, r0's share of the placements 2 x the mean: 5 expected beside it
+    assert policy.expected_inflight(req, cands) == {"r0": 5.0, "r1": 3.0}
+    assert choose(0, 10.0) == "r1"
+    assert choose(0, 0.0) == "r0"
+    assert choose(64, 10.0) == "r0"

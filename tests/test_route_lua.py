@@ -95,6 +95,70 @@ async def test_lua_route_chooses_as_the_python_policy(redis_pair):
         await load.release(f"req{trial}")
 
 
+async def test_lua_places_a_new_prefix_as_the_python_policy(redis_pair):
+    """A prefix no replica holds: both count the candidates' decaying new-prefix
+    placements alike (``PrefixAware.expected_inflight``), choose alike, and the choice's
+    count grows by one, decayed to now."""
+    import math
+    index, load, clock = redis_pair
+    clock.t = float(int(clock.t))  # whole milliseconds, as the script reads the clock
+    rng = random.Random(11)
+    replicas = ["r0", "r1", "r2", "r3"]
+    spread = 0
+    for trial in range(30):
+        window_s = rng.choice([0.0, 0.5, 2.0, 10.0])
+        for r in replicas:
+            for _ in range(rng.randrange(0, 3)):
+                await load.placed(r, window_s)
+                clock.advance(rng.choice([0.0, 0.1, 0.7]))
+            for i in range(rng.randrange(0, 4)):
+                await load.reserve(f"bg{trial}-{r}-{i}", r, 0)
+        clock.advance(0.25)
+        prefix = [10**9 + trial * 1000 + i for i in range(rng.randrange(2, 30))]
+        prompt = len(prefix) * BS + 5
+        out = rng.randrange(50, 500)
+        u = rng.random()
+        policy = PrefixAware(random.Random())
+        policy.rng.random = lambda: u
+        loads = await load.loads(replicas)
+        cands = [Candidate(r, 0, loads[r], 20000.0, 0.005) for r in replicas]
+        req = RouteRequest(prompt, BS, len(prefix), expected_output_tokens=out,
+                           placement_window_s=window_s, now_s=clock.now())
+        expected = policy.choose(req, cands).replica
+        n = policy.expected_inflight(req, cands)
+        spread += any(n[r] > loads[r].inflight for r in replicas)
+        chosen, _ = await AtomicRoute(index, load).route(
+            f"new{trial}", prompt, prefix, replicas, [15.0] * 4, **route_kwargs(policy, u),
+            expected_output_tokens=out, placement_window_s=window_s)
+        assert chosen == expected, (trial, window_s, loads)
+        after = (await load.loads([chosen]))[chosen]
+        before = loads[chosen]
+        decayed = before.placements * math.exp(-(clock.now() - before.placements_at_s)
+                                               / window_s) if window_s else 0.0
+        # the script's clock is whole milliseconds: a millisecond of decay apart at most
+        assert after.placements == pytest.approx(decayed + 1, rel=1e-3)
+        assert after.placements_at_s == pytest.approx(clock.now(), abs=0.002)
+        for r in replicas:
+            for i in range(4):
+                await load.release(f"bg{trial}-{r}-{i}")
+        await load.release(f"new{trial}")
+    assert spread >= 5  # the placements changed the expected counts in many trials
+
+
+async def test_a_prefix_some_replica_holds_counts_no_placement(redis_pair):
+    """Only a new prefix is counted; a request whose prefix a replica holds is not."""
+    index, load, clock = redis_pair
+    prefix = [7, 8, 9]
+    await index.apply_events("r0", [KVEvent("stored", prefix, None)])
+    policy = PrefixAware(random.Random(0))
+    await AtomicRoute(index, load).route("held", 3 * BS + 1, prefix, ["r0", "r1"], [15.0] * 2,
+                                         **route_kwargs(policy, 0.5),
+                                         placement_window_s=5.0)
+    loads = await load.loads(["r0", "r1"])
+    assert loads["r0"].placements == loads["r1"].placements == 0
+    await load.release("held")
+
+
 async def test_route_reserves_once_and_writes_predicted_entries(redis_pair):
     index, load, clock = redis_pair
     p = PrefixAware()
@@ -359,8 +423,10 @@ async def test_a_late_route_script_of_a_request_that_went_nowhere_leaves_no_leas
     await _settled(core_module)
     assert admin.hget(f"{ns}:load", "a:t") or admin.hget(f"{ns}:load", "b:t")  # it ran
     assert admin.hgetall(f"{ns}:leases") == {}
+    # the counts are back to zero (the new-prefix placement count, k, is a forecast that
+    # decays, not a lease: it stays)
     assert all(int(v) == 0 for k, v in admin.hgetall(f"{ns}:load").items()
-               if not k.endswith(b":t"))
+               if k.endswith((b":n", b":p")))
     assert await index.lookup(hashes, ["a", "b"]) == {"a": 0, "b": 0}
     await load.close()
     await conn.close()

@@ -11,6 +11,9 @@ ingress releases it in a ``finally``; docs/fault-cases.md 1.2 and 5.1):
   candidates the one that waited longest wins (a rotating tie-break), the signal that
   spreads cold starts when nothing is in flight (docs/fault-cases.md 1.4). A restarted replica gets
   its turn, not a catch-up burst.
+* ``placements``: prefixes no replica held that were placed on the replica, a count that
+  decays over the routers' mean request life (``decayed_placements``): where the load of
+  their later requests will come (docs/architecture.md, "The cost model").
 
 Backends beside this interface: ``memory.py`` (in-process, the default) and ``redis.py``
 (shared by every router, with leases that survive a router's death).
@@ -18,6 +21,7 @@ Backends beside this interface: ``memory.py`` (in-process, the default) and ``re
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Sequence
@@ -26,11 +30,25 @@ from typing import Sequence
 @dataclass
 class ReplicaLoad:
     """Load of one replica: ``inflight`` requests, ``prefill_tokens`` queued for prefill,
-    ``last_assigned_s`` time of its last assignment (clock seconds, 0 = never)."""
+    ``last_assigned_s`` time of its last assignment (clock seconds, 0 = never);
+    ``placements`` new prefixes placed there, a decaying count as of ``placements_at_s``
+    (clock seconds; ``decayed_placements`` gives it at another time)."""
 
     inflight: int = 0
     prefill_tokens: int = 0
     last_assigned_s: float = 0.0
+    placements: float = 0.0
+    placements_at_s: float = 0.0
+
+
+def decayed_placements(load: ReplicaLoad, now_s: float, window_s: float) -> float:
+    """``load.placements`` at ``now_s``: ``placements * exp(-(now_s - placements_at_s) /
+    window_s)`` (an exponentially decaying count, time constant ``window_s`` seconds;
+    ``lua/route.lua`` computes the same in milliseconds). 0 when ``window_s`` is not
+    positive."""
+    if window_s <= 0 or load.placements <= 0:
+        return 0.0
+    return load.placements * math.exp(-max(now_s - load.placements_at_s, 0.0) / window_s)
 
 
 @dataclass
@@ -38,6 +56,7 @@ class Reservation:
     replica: str
     prefill_tokens: int
     prefill_done: bool = False
+    reserved_at_s: float = 0.0
 
 
 class LoadTracker(ABC):
@@ -64,6 +83,18 @@ class LoadTracker(ABC):
     @abstractmethod
     async def release(self, request_id: str) -> None:
         """The request finished (success, error or disconnect). Idempotent."""
+
+    async def placed(self, replica: str, window_s: float) -> None:
+        """A prefix no replica held was placed on ``replica``: its decaying placement count
+        (``ReplicaLoad.placements``, time constant ``window_s`` seconds) grows by one.
+        Never raises: a count that could not be written only weakens the spread of new
+        prefixes."""
+
+    def mean_request_life_s(self) -> float:
+        """Mean seconds from reservation to release of this process's requests (about
+        the last 1,000, and those in flight; 0 before any): the window of
+        ``ReplicaLoad.placements``."""
+        return 0.0
 
     async def remove_replica(self, replica: str) -> None:
         """Forget a replica's load (it left the deployment)."""

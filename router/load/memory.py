@@ -10,24 +10,34 @@ import threading
 from typing import Sequence
 
 from router.clock import Clock, SystemClock
-from router.load.base import LoadTracker, ReplicaLoad, Reservation
+from router.load.base import LoadTracker, ReplicaLoad, Reservation, decayed_placements
 
 
 class MemoryLoadTracker(LoadTracker):
     """Load reservations held in this process (the embedded default)."""
+
+    #: weight of a release in the mean request life: an exponential moving average over
+    #: about the last 1,000 releases (as ``RoutingCore.observe_output``'s window)
+    LIFE_WEIGHT = 1 / 1000
 
     def __init__(self, clock: Clock | None = None):
         self.clock = clock or SystemClock()
         self._lock = threading.Lock()
         self._res: dict[str, Reservation] = {}
         self._load: dict[str, ReplicaLoad] = {}
+        # decayed sums of the released requests' lives (s) and of their number, and the sum
+        # of the reservation times of those in flight (mean_request_life_s)
+        self._lives_s = 0.0
+        self._lives = 0.0
+        self._reserved_at_sum = 0.0
 
     def loads_now(self, replicas: Sequence[str]) -> dict[str, ReplicaLoad]:
         with self._lock:
             out = {}
             for r in replicas:
                 load = self._load.get(r) or ReplicaLoad()
-                out[r] = ReplicaLoad(load.inflight, load.prefill_tokens, load.last_assigned_s)
+                out[r] = ReplicaLoad(load.inflight, load.prefill_tokens, load.last_assigned_s,
+                                     load.placements, load.placements_at_s)
             return out
 
     async def loads(self, replicas: Sequence[str]) -> dict[str, ReplicaLoad]:
@@ -41,7 +51,8 @@ class MemoryLoadTracker(LoadTracker):
             load.inflight += 1
             load.prefill_tokens += prefill_tokens
             load.last_assigned_s = now
-            self._res[request_id] = Reservation(replica, prefill_tokens)
+            self._res[request_id] = Reservation(replica, prefill_tokens, reserved_at_s=now)
+            self._reserved_at_sum += now
 
     async def reserve(self, request_id: str, replica: str, prefill_tokens: int) -> None:
         self.reserve_now(request_id, replica, prefill_tokens)
@@ -63,6 +74,9 @@ class MemoryLoadTracker(LoadTracker):
         res = self._res.pop(request_id, None)
         if res is None:
             return
+        self._reserved_at_sum -= res.reserved_at_s
+        if not self._res:  # no rounding left behind by the sum's additions and removals
+            self._reserved_at_sum = 0.0
         load = self._load.get(res.replica)
         if load is None:
             return
@@ -75,19 +89,47 @@ class MemoryLoadTracker(LoadTracker):
         with self._lock:
             res = self._res.get(request_id)
             return None if res is None else Reservation(res.replica, res.prefill_tokens,
-                                                        res.prefill_done)
+                                                        res.prefill_done, res.reserved_at_s)
 
     def release_now(self, request_id: str) -> None:
+        now = self.clock.now()
         with self._lock:
+            res = self._res.get(request_id)
+            if res is not None:  # a request's life, reservation to release
+                keep = 1 - self.LIFE_WEIGHT
+                self._lives_s = self._lives_s * keep + max(now - res.reserved_at_s, 0.0)
+                self._lives = self._lives * keep + 1
             self._release_locked(request_id)
 
     async def release(self, request_id: str) -> None:
         self.release_now(request_id)
 
+    def placed_now(self, replica: str, window_s: float) -> None:
+        now = self.clock.now()
+        with self._lock:
+            load = self._load.setdefault(replica, ReplicaLoad())
+            load.placements = decayed_placements(load, now, window_s) + 1
+            load.placements_at_s = now
+
+    async def placed(self, replica: str, window_s: float) -> None:
+        self.placed_now(replica, window_s)
+
+    def mean_request_life_s(self) -> float:
+        """The mean request life (s) as the exponential lifetime's estimate under
+        censoring: the time the requests have been alive, the released ones' lives plus
+        the ages of those still in flight, over the number released (the "total time on
+        test" estimator, Epstein and Sobel 1953). Decayed over about the last 1,000
+        releases (``LIFE_WEIGHT``). Before any release, the sum of the ages of those in
+        flight stands for it; 0 with nothing reserved yet."""
+        now = self.clock.now()
+        with self._lock:
+            ages = len(self._res) * now - self._reserved_at_sum
+            return (self._lives_s + max(ages, 0.0)) / max(self._lives, 1.0)
+
     async def remove_replica(self, replica: str) -> None:
         with self._lock:
             for rid in [k for k, v in self._res.items() if v.replica == replica]:
-                del self._res[rid]
+                self._reserved_at_sum -= self._res.pop(rid).reserved_at_s
             self._load.pop(replica, None)
 
     def total_inflight(self) -> int:

@@ -202,7 +202,8 @@ class RedisLoadTracker(LoadTracker):
         router's own reservations alone when Redis fails."""
         async def one(group: int, reps: list[str]) -> list:
             fields = [f.of(r) for r in reps for f in (
-                LoadField.INFLIGHT, LoadField.PREFILL_TOKENS, LoadField.LAST_ASSIGNED_MS)]
+                LoadField.INFLIGHT, LoadField.PREFILL_TOKENS, LoadField.LAST_ASSIGNED_MS,
+                LoadField.PLACEMENTS, LoadField.PLACEMENTS_AT_MS)]
             key = self.groups.keys[group].load
             return await self.conn.call(lambda c: c.hmget(key, fields))
 
@@ -213,8 +214,9 @@ class RedisLoadTracker(LoadTracker):
         out = {}
         for reps, vals in got:
             for i, r in enumerate(reps):
-                n, p, t = (float(v) if v is not None else 0.0 for v in vals[3 * i:3 * i + 3])
-                out[r] = ReplicaLoad(int(n), int(p), t / 1000)
+                n, p, t, k, kt = (float(v) if v is not None else 0.0
+                                  for v in vals[5 * i:5 * i + 5])
+                out[r] = ReplicaLoad(int(n), int(p), t / 1000, k, kt / 1000)
         out = {r: out[r] for r in replicas}
         self._correct(out)
         return out
@@ -431,6 +433,20 @@ class RedisLoadTracker(LoadTracker):
                                                                    args=["purge", replica]))
         except IndexUnavailable:
             pass
+
+    async def placed(self, replica: str, window_s: float) -> None:
+        """``LoadTracker.placed`` in Redis (``lua/lease.lua``'s ``placed``, in the
+        replica's group); a failure is logged and the count left as it is."""
+        keys = self.group_keys(self.groups.group_of(replica))
+        now_ms = int(self.clock.now() * 1000)
+        try:
+            await self.conn.call(lambda c: self.scripts.of(c).lease(
+                keys=keys, args=["placed", replica, now_ms, int(window_s * 1000)]))
+        except IndexUnavailable as exc:
+            logger.warning("new-prefix placement on %s not counted: %s", replica, exc)
+
+    def mean_request_life_s(self) -> float:
+        return self.local.mean_request_life_s()
 
     def adopt(self, request_id: str, replica: str, prefill_tokens: int) -> None:
         """A script reserved ``request_id`` on ``replica`` in Redis (``AtomicRoute``, with

@@ -15,6 +15,9 @@
 --   sweep: ARGV[2] key prefix of router heartbeats (a lease whose router has no heartbeat
 --          key is released)
 --   purge: ARGV[2] replica id (it left: drop its load and leases)
+--   placed: ARGV[2] replica id, ARGV[3] now (ms), ARGV[4] window (ms): a prefix no replica
+--          held was placed there; its decaying count (<replica>:k as of <replica>:kt, time
+--          constant the window, as route.lua) grows by one
 -- A lease is "replica|prefill tokens|prefill done (0/1)|router id|attempt" (route.lua and
 -- router/load/redis.py write it; a lease without the attempt field is read as attempt "").
 -- Idempotent: a lease is removed once, and only a present lease changes the counters.
@@ -98,7 +101,19 @@ elseif op == 'purge' then
     local r = parse(all[k + 1])
     if r == ARGV[2] then redis.call('HDEL', leases, all[k]) end
   end
-  redis.call('HDEL', load, ARGV[2] .. ':n', ARGV[2] .. ':p', ARGV[2] .. ':t')
+  redis.call('HDEL', load, ARGV[2] .. ':n', ARGV[2] .. ':p', ARGV[2] .. ':t',
+             ARGV[2] .. ':k', ARGV[2] .. ':kt')
+  return 1
+elseif op == 'placed' then
+  local r, now, window = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+  local v = redis.call('HMGET', load, r .. ':k', r .. ':kt')
+  local k = tonumber(v[1] or '0')
+  if window > 0 and k > 0 then
+    k = k * math.exp(-math.max(now - tonumber(v[2] or '0'), 0) / window)
+  else
+    k = 0
+  end
+  redis.call('HSET', load, r .. ':k', string.format('%.17g', k + 1), r .. ':kt', now)
   return 1
 end
 return redis.error_reply('unknown op ' .. tostring(op))

@@ -13,7 +13,8 @@
 -- KEYS (the key names are router/redis_keys.py's):
 --   [1..2n]  per candidate, its exact hash then its predicted hash (n candidates)
 --   route mode only: [2n+1] replicas set, [2n+2] load hash (<replica>:n in flight,
---   :p queued prefill tokens, :t last assignment ms), [2n+3] lease hash (request id ->
+--   :p queued prefill tokens, :t last assignment ms, :k new prefixes placed there, a
+--   decaying count as of :kt ms), [2n+3] lease hash (request id ->
 --   "replica|prefill|done|router|attempt"), [2n+4] this router's heartbeat key
 -- ARGV: 1 mode ("lookup" | "route"), 2 now_ms, 3 n, 4 the request's block hashes in prompt
 --   order as one string of 8 bytes each (big-endian); route mode only: 5 request_id, 6 lease owner
@@ -24,9 +25,9 @@
 --   refreshed with the reservation so that no lease exists without a live heartbeat
 --   (another router's sweep would otherwise release a new router's first leases),
 --   18 max_inflight (the admission bound caps the bounded load; 0: none), 19 running_weight,
---   20 interference, 21 expected output tokens (PrefixAware's parameters and
---   RouteRequest.expected_output_tokens), then per candidate its predicted TTL (ms), then
---   the n candidate ids
+--   20 interference, 21 expected output tokens, 22 placement window (ms) (PrefixAware's
+--   parameters and RouteRequest.expected_output_tokens and placement_window_s), then per
+--   candidate its predicted TTL (ms), then the n candidate ids
 -- Returns: {chosen index (1-based, 0 in lookup mode), matched blocks per candidate...}, and
 --   in route mode one more value: the candidates' requests in flight after the reservation
 --   (the first level of the shard groups' choice reads it: router/routing/groups.py)
@@ -77,7 +78,7 @@ local function held_prefix(xkey, pkey, half)
   end
   return nblocks, exact or nblocks, fresh or nblocks
 end
-local F = 21  -- route mode: fixed arguments before the per-candidate ones (TTLs, then ids)
+local F = 22  -- route mode: fixed arguments before the per-candidate ones (TTLs, then ids)
 local matched, exact_run, fresh_run = {}, {}, {}
 for j = 1, nc do
   local half = mode == 'route' and now + tonumber(ARGV[F + j]) / 2 or now
@@ -99,6 +100,7 @@ local heartbeat_ttl = tonumber(ARGV[17])
 local max_inflight = tonumber(ARGV[18])
 local running_weight = tonumber(ARGV[19]); local interference = tonumber(ARGV[20])
 local out_tokens = tonumber(ARGV[21])
+local window = tonumber(ARGV[22])
 local cands, ttls = {}, {}
 for j = 1, nc do
   ttls[j] = tonumber(ARGV[F + j])
@@ -122,29 +124,58 @@ if old then
   end
 end
 
-local cost, cached, last, inflight = {}, {}, {}, {}
+local cost, cached, last, inflight, placed = {}, {}, {}, {}, {}
 local best = nil
 local total = 0
 local fields = {}
 for j = 1, nc do
   local r = cands[j]
-  fields[3 * j - 2] = r .. ':n'; fields[3 * j - 1] = r .. ':p'; fields[3 * j] = r .. ':t'
+  fields[5 * j - 4] = r .. ':n'; fields[5 * j - 3] = r .. ':p'; fields[5 * j - 2] = r .. ':t'
+  fields[5 * j - 1] = r .. ':k'; fields[5 * j] = r .. ':kt'
 end
 local v = redis.call('HMGET', load, unpack(fields))  -- every candidate's load in one read
+-- a new prefix (no candidate holds its first block): the decaying count of new prefixes
+-- placed on each candidate (router/load/base.py decayed_placements)
+local new_prefix = nblocks > 0
 for j = 1, nc do
-  local n = tonumber(v[3 * j - 2] or '0'); local q = tonumber(v[3 * j - 1] or '0')
-  last[j] = tonumber(v[3 * j] or '0')
+  if matched[j] > 0 then new_prefix = false end
+end
+local sum_k = 0
+for j = 1, nc do
+  local k = tonumber(v[5 * j - 1] or '0')
+  if window > 0 and k > 0 then
+    k = k * math.exp(-math.max(now - tonumber(v[5 * j] or '0'), 0) / window)
+  else
+    k = 0
+  end
+  placed[j] = k
+  sum_k = sum_k + k
+  local n = tonumber(v[5 * j - 4] or '0')
   inflight[j] = math.max(n, 0)  -- as the Python policy: a count below zero counts as zero
   total = total + math.max(n, 0)
+end
+-- the requests expected beside this one: n, or for a new prefix max(n, mean(n) * k / mean(k))
+-- (PrefixAware.expected_inflight)
+local expected = {}
+for j = 1, nc do
+  expected[j] = inflight[j]
+  if new_prefix and window > 0 and sum_k > 0 then
+    expected[j] = math.max(inflight[j], (total / nc) * placed[j] / (sum_k / nc))
+  end
+end
+for j = 1, nc do
+  local q = tonumber(v[5 * j - 3] or '0')
+  last[j] = tonumber(v[5 * j - 2] or '0')
   local hit = 0
   if P > 0 then hit = math.min(matched[j], math.floor((P - 1) / bs)) * bs end
   cached[j] = hit
   local unc = math.max(P - hit, 1)
   local work = math.max(q, 0) + unc
   local steps = math.ceil(work / budget)
-  local nr = math.max(n, 0)
-  cost[j] = work / rate + steps * dstep * nr + (ww + running_weight * nr) * unc / rate
-            + interference * 2 * dstep * out_tokens * nr
+  local nr = inflight[j]
+  local m = expected[j]
+  cost[j] = work / rate + steps * dstep * nr + (ww + running_weight * m) * unc / rate
+            + interference * 2 * dstep * out_tokens * m
 end
 -- bounded load: candidates that would exceed the bound are passed over while any is within
 local mean = (total + 1) / nc
@@ -196,8 +227,12 @@ local chosen = cands[pick]
 local unc = math.max(P - cached[pick], 0)
 -- one write of the three load fields: the counts were read above, after any release of an
 -- earlier reservation of this request, and nothing runs between (a script is atomic)
-redis.call('HSET', load, chosen .. ':n', tonumber(v[3 * pick - 2] or '0') + 1,
-           chosen .. ':p', tonumber(v[3 * pick - 1] or '0') + unc, chosen .. ':t', now)
+redis.call('HSET', load, chosen .. ':n', tonumber(v[5 * pick - 4] or '0') + 1,
+           chosen .. ':p', tonumber(v[5 * pick - 3] or '0') + unc, chosen .. ':t', now)
+if new_prefix then  -- one more new prefix placed there (LoadTracker.placed)
+  redis.call('HSET', load, chosen .. ':k', string.format('%.17g', placed[pick] + 1),
+             chosen .. ':kt', now)
+end
 redis.call('HSET', leases, req, chosen .. '|' .. unc .. '|0|' .. owner)
 redis.call('SET', heartbeat, 1, 'PX', heartbeat_ttl)
 

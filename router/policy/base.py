@@ -53,7 +53,11 @@ class RouteRequest:
     ``text`` (the prompt's characters, as SGLang's and Ray's matchers see them),
     ``first_user_text`` (KubeAI's key) and ``lora`` (the adapter name).
     ``expected_output_tokens``: the expected output length
-    (``RoutingCore.expected_output_tokens``: from the engines' counters), 0 before any."""
+    (``RoutingCore.expected_output_tokens``: from the engines' counters), 0 before any.
+    ``placement_window_s``: the time constant of the candidates' decaying counts of new
+    prefixes (``ReplicaLoad.placements``): the routers' mean request life, seconds
+    (``LoadTracker.mean_request_life_s``), 0 before any. ``now_s``: the routers' clock at
+    the decision (seconds)."""
 
     prompt_tokens: int
     block_size: int
@@ -63,6 +67,8 @@ class RouteRequest:
     first_user_text: str = ""
     lora: str | None = None
     expected_output_tokens: float = 0.0
+    placement_window_s: float = 0.0
+    now_s: float = 0.0
 
 
 @dataclass
@@ -81,6 +87,13 @@ class Decision:
     @property
     def replica(self) -> str:
         return self.ranked[0]
+
+
+def new_prefix(request: RouteRequest, candidates: Sequence[Candidate]) -> bool:
+    """The request's prefix is held by no candidate (not even its first block): wherever it
+    goes, a new prefix is placed there, and its later requests will follow it."""
+    return (request.cacheable and request.num_blocks > 0
+            and all(c.matched_blocks == 0 for c in candidates))
 
 
 def max_cached_blocks(prompt_tokens: int, block_size: int) -> int:
@@ -107,11 +120,14 @@ class Policy(ABC):
         uses_index: it needs the prefix index lookup (``Candidate.matched_blocks``).
         uses_text: it needs the prompt's characters (``RouteRequest.text``,
             ``first_user_text``), which only the simulator supplies.
+        counts_placements: it reads ``ReplicaLoad.placements``, so the caller counts each
+            decision that places a new prefix (``new_prefix``, ``LoadTracker.placed``).
     """
 
     name: str = ""
     uses_index: bool = False
     uses_text: bool = False
+    counts_placements: bool = False
 
     def __init__(self, rng: random.Random | None = None):
         self.rng = rng or random.Random()

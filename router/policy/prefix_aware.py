@@ -6,7 +6,15 @@ import math
 import random
 from typing import Sequence
 
-from router.policy.base import Candidate, Decision, Policy, RouteRequest, cached_tokens
+from router.load.base import decayed_placements
+from router.policy.base import (
+    Candidate,
+    Decision,
+    Policy,
+    RouteRequest,
+    cached_tokens,
+    new_prefix,
+)
 
 
 class PrefixAware(Policy):
@@ -45,6 +53,23 @@ class PrefixAware(Policy):
       interference of its extra requests, judged per request with the engine's own step
       profile, not at a fixed imbalance.
 
+    A new prefix (no candidate holds even its first block, ``new_prefix``) brings more
+    than itself: its later requests will follow it to the replica chosen now. Nothing is
+    known yet of how popular it will be, so it is taken to be as popular as the prefixes
+    placed before it (the prior behind SGLang's and Ray Serve's rule of sending an
+    unmatched prompt to the replica with the smallest cache tree), and a replica's share of
+    the fleet's coming load is its share of the recent new-prefix placements. For such a
+    request the two terms that others bear use, instead of ``n_r``, the expected
+    concurrency::
+
+        k_r   = placements on r, decaying with time constant W, the routers' mean request
+                life (ReplicaLoad.placements, RouteRequest.placement_window_s)
+        n_r'  = max(n_r, mean(n) * k_r / mean(k))
+
+    so a replica that has just been given several new prefixes, whose later requests
+    have not come yet, is not taken for idle. Placements older than a request life are
+    forgotten: by then their requests are among the ``n_r`` in flight.
+
     The three terms are sums of seconds over the requests concerned (one user's first
     token, many users' inter-token gaps), so the policy minimises the total latency the
     decision adds. ``running_weight`` and ``interference`` scale the second and third terms
@@ -68,6 +93,7 @@ class PrefixAware(Policy):
     """
 
     name = "prefix_aware"
+    counts_placements = True
     #: Assignments this close count as simultaneous: 1 ms, as ``lua/route.lua`` compares
     #: Redis's integer milliseconds (``last <= oldest + 1``). The extra microsecond absorbs
     #: the rounding of ``ms / 1000`` in a float (its spacing is 2.4e-7 s at today's epoch),
@@ -107,14 +133,36 @@ class PrefixAware(Policy):
         return (work / c.prefill_tokens_per_s
                 + steps * c.decode_step_s_per_seq * max(c.load.inflight, 0))
 
-    def cost_s(self, request: RouteRequest, c: Candidate) -> float:
-        """The quantity minimised: TTFT plus the delay imposed on others (s)."""
+    @staticmethod
+    def expected_inflight(request: RouteRequest,
+                          candidates: Sequence[Candidate]) -> dict[str, float]:
+        """Requests each candidate is expected to run beside this one (by replica):
+        ``n_r``, or for a new prefix ``max(n_r, mean(n) * k_r / mean(k))`` with ``k_r``
+        its decayed new-prefix placements (the class docstring; ``lua/route.lua`` the
+        same)."""
+        n = {c.replica: float(max(c.load.inflight, 0)) for c in candidates}
+        window = request.placement_window_s
+        if window <= 0 or not new_prefix(request, candidates):
+            return n
+        k = {c.replica: decayed_placements(c.load, request.now_s, window) for c in candidates}
+        mean_k = sum(k.values()) / len(k)
+        if mean_k <= 0:
+            return n
+        mean_n = sum(n.values()) / len(n)
+        return {r: max(n[r], mean_n * k[r] / mean_k) for r in n}
+
+    def cost_s(self, request: RouteRequest, c: Candidate,
+               expected_inflight: float | None = None) -> float:
+        """The quantity minimised: TTFT plus the delay imposed on others (s).
+        ``expected_inflight``: the candidate's entry of ``expected_inflight`` (default:
+        its requests in flight)."""
         n = max(c.load.inflight, 0)
+        m = n if expected_inflight is None else expected_inflight
         return (self.expected_ttft_s(request, c)
-                + (self.work_weight + self.running_weight * n)
+                + (self.work_weight + self.running_weight * m)
                 * self._uncached(request, c) / c.prefill_tokens_per_s
                 + self.interference * 2 * c.decode_step_s_per_seq
-                * request.expected_output_tokens * n
+                * request.expected_output_tokens * m
                 + c.healthy_penalty_s)
 
     @staticmethod
@@ -126,7 +174,8 @@ class PrefixAware(Policy):
         bound = self.load_bound(candidates)
         within = [c for c in candidates
                   if max(c.load.inflight, 0) + 1 <= bound] or list(candidates)
-        costs = {c.replica: self.cost_s(request, c) for c in candidates}
+        expected = self.expected_inflight(request, candidates)
+        costs = {c.replica: self.cost_s(request, c, expected[c.replica]) for c in candidates}
         predicted = self._predicted(request, candidates)
         pool = within
         best = min(costs[c.replica] for c in pool)

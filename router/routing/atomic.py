@@ -63,7 +63,8 @@ class AtomicRoute:
                     load_factor: float = math.inf,
                     max_inflight: int | None = None, running_weight: float = 0.0,
                     interference: float = 0.0,
-                    expected_output_tokens: float = 0.0) -> tuple[str, dict[str, int]]:
+                    expected_output_tokens: float = 0.0,
+                    placement_window_s: float = 0.0) -> tuple[str, dict[str, int]]:
         """Choose among ``replicas`` (non-empty) and reserve the choice's load.
 
         Args:
@@ -75,6 +76,7 @@ class AtomicRoute:
                 max_inflight, running_weight, interference: the ``PrefixAware``
                 parameters of the same names.
             expected_output_tokens: ``RouteRequest.expected_output_tokens``.
+            placement_window_s: ``RouteRequest.placement_window_s`` (s).
             u: uniform in [0, 1), the final tie-break (the policy's rng draws it).
         Returns:
             (chosen replica, matched blocks per replica). With shard groups, the matched
@@ -106,7 +108,7 @@ class AtomicRoute:
                 work_weight, decode_step_s_per_seq, step_token_budget, tie_abs_s, tie_rel,
                 min(load_factor, 1e9), u, int(load.heartbeat_ttl_s * 1000),
                 int(max_inflight or 0), running_weight, interference, expected_output_tokens,
-                *(int(t * 1000) for t in ttls_s), *replicas]
+                int(placement_window_s * 1000), *(int(t * 1000) for t in ttls_s), *replicas]
 
         async def run(client):
             return await load.scripts.of(client).route(keys=redis_keys, args=args)

@@ -32,6 +32,7 @@ from router.policy import (
     RouteRequest,
     cached_tokens,
 )
+from router.policy.base import new_prefix
 from router.routing.recent import RecentDecisions
 from router.routing.replica import ReplicaInfo, hash_mismatches
 
@@ -403,6 +404,8 @@ class RoutingCore:
         chosen = decision.replica
         uncached = max(inp.prompt_tokens - decision.predicted_cached_tokens.get(chosen, 0), 0)
         await self.load.reserve(inp.request_id, chosen, uncached)
+        if policy.counts_placements and not index_failed and new_prefix(req, candidates):
+            await self.load.placed(chosen, req.placement_window_s)
         if cache_aware and not index_failed:
             chosen_info = next(r for r in pool if r.replica_id == chosen)
             await self.record(chosen, inp.block_hashes, self.predicted_ttl_s(chosen_info))
@@ -457,6 +460,7 @@ class RoutingCore:
         candidates = self._candidates(pool, matched, loads)
         decision = copy.deepcopy(policy).choose(req, candidates)
         cost = getattr(policy, "cost_s", None)
+        expected = policy.expected_inflight(req, candidates) if cost is not None else {}
         by_id = {c.replica: c for c in candidates}
         drained = self.drains.current() if self.drains is not None else frozenset()
         rows = []
@@ -473,7 +477,7 @@ class RoutingCore:
                    "prefill_tokens_queued": c.load.prefill_tokens if c else None,
                    "expected_ttft_s": decision.expected_ttft_s.get(rid)}
             if cost is not None and c is not None:
-                row["cost_s"] = cost(req, c)
+                row["cost_s"] = cost(req, c, expected.get(rid))
             rows.append(row)
         return {"policy": policy.name, "choice": decision.replica, "reason": decision.reason,
                 "prompt_tokens": prompt_tokens, "blocks": len(block_hashes),
@@ -520,7 +524,9 @@ class RoutingCore:
                             block_size=self.hash_settings.block_size,
                             num_blocks=len(inp.block_hashes), cacheable=inp.cacheable,
                             text=inp.text, first_user_text=inp.first_user_text,
-                            expected_output_tokens=self.expected_output_tokens(pool))
+                            expected_output_tokens=self.expected_output_tokens(pool),
+                            placement_window_s=self.load.mean_request_life_s(),
+                            now_s=self.load.clock.now())
 
     async def _decide_atomic(self, inp: RouteInput, pool: Sequence[ReplicaInfo],
                              policy: PrefixAware, observed: list | None = None) -> Decision:
@@ -546,7 +552,8 @@ class RoutingCore:
             tie_rel=policy.tie_rel, u=policy.rng.random(), load_factor=policy.load_factor,
             max_inflight=policy.max_inflight, running_weight=policy.running_weight,
             interference=policy.interference,
-            expected_output_tokens=self.expected_output_tokens(pool))
+            expected_output_tokens=self.expected_output_tokens(pool),
+            placement_window_s=self.load.mean_request_life_s())
         self.index_available = True
         if before is not None:
             observed.append((self._route_request(inp, pool),
