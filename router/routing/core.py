@@ -393,6 +393,8 @@ class RoutingCore:
         loads = await self.load.loads(ids)
         candidates = self._candidates(pool, matched, loads)
         req = self._route_request(inp, pool)
+        if not use_index:  # the index was not read: no prefix is known to be new
+            req = dataclasses.replace(req, cacheable=False)
         if observed is not None:  # the copy right before the policy draws or counts
             t0 = time.perf_counter()
             live_copy = self.shadow.snapshot(policy)
@@ -457,6 +459,8 @@ class RoutingCore:
         inp = RouteInput("explain", prompt_tokens, block_hashes, cacheable, text,
                          first_user_text)
         req = self._route_request(inp, pool)
+        if not (cache_aware and policy.uses_index):  # as _decide_here: nothing known new
+            req = dataclasses.replace(req, cacheable=False)
         candidates = self._candidates(pool, matched, loads)
         decision = copy.deepcopy(policy).choose(req, candidates)
         cost = getattr(policy, "cost_s", None)
