@@ -803,6 +803,12 @@ async def bench_calls(url: str, iters: int = 20000, block: int = 200) -> dict:
     return out
 
 
+def one_row_table(header: list[str], cells: list) -> str:
+    """A markdown table of ``header`` and one row of ``cells`` (as ``str`` gives them)."""
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+                      "| " + " | ".join(str(c) for c in cells) + " |"])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
@@ -879,12 +885,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.only in (None, "turns"):
         row = asyncio.run(bench_turns(a.redis_url))
         print(json.dumps(row), flush=True)
-        text = ("| turns | conversations | replicas | predicted TTL (s) | Redis time per turn, "
-                "route + release (us) | sweep HSCAN calls | predicted fields at the end |\n"
-                "|---|---|---|---|---|---|---|\n"
-                f"| {row['turns']} | {row['conversations']} | {row['replicas']} | "
-                f"{row['ttl_s']:.0f} | {row['redis_us_per_turn']:.1f} | {row['hscan_calls']} "
-                f"| {row['predicted_fields']} |")
+        text = one_row_table(
+            ["turns", "conversations", "replicas", "predicted TTL (s)",
+             "Redis time per turn, route + release (us)", "sweep HSCAN calls",
+             "predicted fields at the end"],
+            [row['turns'], row['conversations'], row['replicas'], f"{row['ttl_s']:.0f}",
+             f"{row['redis_us_per_turn']:.1f}", row['hscan_calls'], row['predicted_fields']])
         print(text)
         if not a.no_doc:
             write_benchmark_doc("Redis index: multi-turn replay" + a.suffix, cmd.strip(), text,
@@ -910,13 +916,13 @@ def main(argv: list[str] | None = None) -> int:
         import sys
         row = asyncio.run(bench_calls(a.redis_url))
         print(json.dumps(row), flush=True)
-        text = ("| Python | PINGs | call p50 (us) | call_or_leave p50 (us) | added p50 (us) | "
-                "call mean (us) | call_or_leave mean (us) | added mean (us) |\n"
-                "|---|---|---|---|---|---|---|---|\n"
-                f"| {sys.version_info.major}.{sys.version_info.minor} | {row['iters']} | "
-                f"{row['call_p50_us']:.1f} | {row['call_or_leave_p50_us']:.1f} | "
-                f"{row['added_p50_us']:.1f} | {row['call_mean_us']:.1f} | "
-                f"{row['call_or_leave_mean_us']:.1f} | {row['added_mean_us']:.1f} |")
+        text = one_row_table(
+            ["Python", "PINGs", "call p50 (us)", "call_or_leave p50 (us)", "added p50 (us)",
+             "call mean (us)", "call_or_leave mean (us)", "added mean (us)"],
+            [f"{sys.version_info.major}.{sys.version_info.minor}", row['iters']]
+            + [f"{row[k]:.1f}" for k in ("call_p50_us", "call_or_leave_p50_us",
+                                         "added_p50_us", "call_mean_us",
+                                         "call_or_leave_mean_us", "added_mean_us")])
         print(text)
         if not a.no_doc:
             write_benchmark_doc("Redis call: left running past its bound" + a.suffix,
