@@ -221,7 +221,9 @@ def service(serve_http_port, model_dir) -> Service:
 def load_accounting(client, ns: str) -> dict:
     """The shared load against its leases, per replica: ``{replica: (in flight, leases,
     queued prefill, undone lease prefill)}``, plus ``"leases"``: the raw leases."""
-    load = {k.decode(): int(v) for k, v in client.hgetall(f"{ns}:load").items()}
+    # the counts only: the other fields are a time (:t) and a decaying count (:k, :kt)
+    load = {k.decode(): int(v) for k, v in client.hgetall(f"{ns}:load").items()
+            if k.endswith((b":n", b":p"))}
     leases = {k.decode(): v.decode() for k, v in client.hgetall(f"{ns}:leases").items()}
     out: dict = {}
     for field, v in load.items():

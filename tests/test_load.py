@@ -179,9 +179,9 @@ async def test_new_prefix_placements_decay_over_the_window():
 
 
 async def test_mean_request_life_counts_the_requests_still_in_flight():
-    """``MemoryLoadTracker.mean_request_life_s``: the lives of the released requests plus
-    the ages of those in flight, over the number released (the exponential lifetime's
-    estimate under censoring); the ages alone before any release; 0 before any request."""
+    """``MemoryLoadTracker.mean_request_life_s``: Little's law, the area under the
+    in-flight count over the releases; before any release the area so far (the requests
+    in flight count with their time so far); 0 before any request."""
     clock = ManualClock(0.0)
     t = MemoryLoadTracker(clock)
     assert t.mean_request_life_s() == 0.0
@@ -190,12 +190,12 @@ async def test_mean_request_life_counts_the_requests_still_in_flight():
     clock.advance(3.0)
     assert t.mean_request_life_s() == pytest.approx(6.0)  # 3 + 3, none released yet
     await t.release("a")
-    assert t.mean_request_life_s() == pytest.approx(6.0)  # 3 lived + 3 so far, over 1
+    assert t.mean_request_life_s() == pytest.approx(6.0, rel=1e-2)  # 6 s of area, 1 release
     await t.release("a")  # twice: once counted
     await t.release("b")
     assert t.mean_request_life_s() == pytest.approx(3.0, rel=1e-2)
     await t.reserve("c", "r", 10)
-    await t.reserve("c", "r", 10)  # asked again: one request, one reservation time
+    await t.reserve("c", "r", 10)  # asked again: still one request in flight
     clock.advance(1.0)
     await t.release("c")
     assert t.mean_request_life_s() == pytest.approx(7 / 3, rel=1e-2)

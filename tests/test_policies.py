@@ -282,8 +282,27 @@ def test_a_new_prefix_passes_over_a_replica_whose_new_prefixes_have_not_sent_the
     req = RouteRequest(2053, 32, 64, expected_output_tokens=200, placement_window_s=10.0,
                        now_s=now)
     cands = [Candidate(r, 0, loads[r]) for r in ("r0", "r1")]
-    # mean n 2.5, r0's share of the placements 2 x the mean: 5 expected beside it
-    assert policy.expected_inflight(req, cands) == {"r0": 5.0, "r1": 3.0}
+    # mean n with this request (2 + 3 + 1) / 2 = 3, r0's placements 2 x the mean: 6
+    assert policy.expected_inflight(req, cands) == {"r0": 6.0, "r1": 3.0}
     assert choose(0, 10.0) == "r1"
     assert choose(0, 0.0) == "r0"
     assert choose(64, 10.0) == "r0"
+
+
+async def test_the_core_counts_a_new_prefix_where_it_went_and_a_held_one_nowhere():
+    """``RoutingCore`` (in-process path): a decision that places a prefix no replica holds
+    counts one placement on its replica; the same prefix again (now predicted there) and a
+    policy that does not read the counts count none."""
+    core, clock = make_core()
+    d = await core.decide("first", 20 * BS, hashes(5, 20), replicas("A", "B"))
+    loads = await core.load.loads(["A", "B"])
+    assert loads[d.replica].placements == 1.0
+    assert loads[d.replica].placements_at_s == clock.now()
+    clock.advance(0.5)
+    again = await core.decide("again", 20 * BS + 3, hashes(5, 20), replicas("A", "B"))
+    assert again.reason == "cache"
+    after = await core.load.loads(["A", "B"])
+    assert sum(v.placements for v in after.values()) == 1.0
+    rr, _ = make_core("round_robin")
+    await rr.decide("x", 20 * BS, hashes(6, 20), replicas("A", "B"))
+    assert all(v.placements == 0 for v in (await rr.load.loads(["A", "B"])).values())

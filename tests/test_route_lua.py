@@ -104,13 +104,13 @@ async def test_lua_places_a_new_prefix_as_the_python_policy(redis_pair):
     clock.t = float(int(clock.t))  # whole milliseconds, as the script reads the clock
     rng = random.Random(11)
     replicas = ["r0", "r1", "r2", "r3"]
-    spread = 0
+    moved = 0
     for trial in range(30):
         window_s = rng.choice([0.0, 0.5, 2.0, 10.0])
         for r in replicas:
             for _ in range(rng.randrange(0, 3)):
                 await load.placed(r, window_s)
-                clock.advance(rng.choice([0.0, 0.1, 0.7]))
+                clock.advance(rng.choice([0.0, 0.125, 0.625]))  # exact in binary
             for i in range(rng.randrange(0, 4)):
                 await load.reserve(f"bg{trial}-{r}-{i}", r, 0)
         clock.advance(0.25)
@@ -125,8 +125,9 @@ async def test_lua_places_a_new_prefix_as_the_python_policy(redis_pair):
         req = RouteRequest(prompt, BS, len(prefix), expected_output_tokens=out,
                            placement_window_s=window_s, now_s=clock.now())
         expected = policy.choose(req, cands).replica
-        n = policy.expected_inflight(req, cands)
-        spread += any(n[r] > loads[r].inflight for r in replicas)
+        without = policy.choose(RouteRequest(prompt, BS, len(prefix),
+                                             expected_output_tokens=out), cands).replica
+        moved += expected != without
         chosen, _ = await AtomicRoute(index, load).route(
             f"new{trial}", prompt, prefix, replicas, [15.0] * 4, **route_kwargs(policy, u),
             expected_output_tokens=out, placement_window_s=window_s)
@@ -142,7 +143,7 @@ async def test_lua_places_a_new_prefix_as_the_python_policy(redis_pair):
             for i in range(4):
                 await load.release(f"bg{trial}-{r}-{i}")
         await load.release(f"new{trial}")
-    assert spread >= 5  # the placements changed the expected counts in many trials
+    assert moved >= 3  # the placements changed the choice in several trials
 
 
 async def test_a_prefix_some_replica_holds_counts_no_placement(redis_pair):
@@ -393,7 +394,7 @@ async def test_a_route_script_that_answers_late_has_its_prediction_moved_to_the_
     await load.release("other")
     assert admin.hgetall(f"{ns}:leases") == {}
     assert all(int(v) == 0 for k, v in admin.hgetall(f"{ns}:load").items()
-               if not k.endswith(b":t"))
+               if k.endswith((b":n", b":p")))
     await load.close()
     await conn.close()
 
@@ -585,7 +586,7 @@ async def _accounting(load: RedisLoadTracker) -> tuple[dict, dict]:
         return await c.hgetall(load.keys[0]), await c.hgetall(load.keys[1])
     raw_load, leases = await load.conn.call(run)
     counts = {k.decode(): int(v) for k, v in raw_load.items()
-              if not k.decode().endswith(":t")}
+              if k.decode().endswith((":n", ":p"))}
     return counts, {k.decode(): v.decode() for k, v in leases.items()}
 
 

@@ -56,7 +56,6 @@ class Reservation:
     replica: str
     prefill_tokens: int
     prefill_done: bool = False
-    reserved_at_s: float = 0.0
 
 
 class LoadTracker(ABC):
@@ -92,7 +91,7 @@ class LoadTracker(ABC):
 
     def mean_request_life_s(self) -> float:
         """Mean seconds from reservation to release of this process's requests (about
-        the last 1,000, and those in flight; 0 before any): the window of
+        the last 1,000, those in flight included; 0 before any): the time constant of
         ``ReplicaLoad.placements``."""
         return 0.0
 

@@ -25,11 +25,11 @@ class MemoryLoadTracker(LoadTracker):
         self._lock = threading.Lock()
         self._res: dict[str, Reservation] = {}
         self._load: dict[str, ReplicaLoad] = {}
-        # decayed sums of the released requests' lives (s) and of their number, and the sum
-        # of the reservation times of those in flight (mean_request_life_s)
-        self._lives_s = 0.0
-        self._lives = 0.0
-        self._reserved_at_sum = 0.0
+        # mean_request_life_s: the area under the in-flight count (request-seconds) and the
+        # releases, both decayed at each release; the time the area is integrated to
+        self._area = 0.0
+        self._releases = 0.0
+        self._area_at: float | None = None
 
     def loads_now(self, replicas: Sequence[str]) -> dict[str, ReplicaLoad]:
         with self._lock:
@@ -43,16 +43,22 @@ class MemoryLoadTracker(LoadTracker):
     async def loads(self, replicas: Sequence[str]) -> dict[str, ReplicaLoad]:
         return self.loads_now(replicas)
 
+    def _integrate_locked(self, now: float) -> None:
+        """Add the in-flight count's area up to ``now`` (before the count changes)."""
+        if self._area_at is not None:
+            self._area += len(self._res) * max(now - self._area_at, 0.0)
+        self._area_at = now
+
     def reserve_now(self, request_id: str, replica: str, prefill_tokens: int) -> None:
         now = self.clock.now()
         with self._lock:
+            self._integrate_locked(now)
             self._release_locked(request_id)
             load = self._load.setdefault(replica, ReplicaLoad())
             load.inflight += 1
             load.prefill_tokens += prefill_tokens
             load.last_assigned_s = now
-            self._res[request_id] = Reservation(replica, prefill_tokens, reserved_at_s=now)
-            self._reserved_at_sum += now
+            self._res[request_id] = Reservation(replica, prefill_tokens)
 
     async def reserve(self, request_id: str, replica: str, prefill_tokens: int) -> None:
         self.reserve_now(request_id, replica, prefill_tokens)
@@ -74,9 +80,6 @@ class MemoryLoadTracker(LoadTracker):
         res = self._res.pop(request_id, None)
         if res is None:
             return
-        self._reserved_at_sum -= res.reserved_at_s
-        if not self._res:  # no rounding left behind by the sum's additions and removals
-            self._reserved_at_sum = 0.0
         load = self._load.get(res.replica)
         if load is None:
             return
@@ -89,16 +92,16 @@ class MemoryLoadTracker(LoadTracker):
         with self._lock:
             res = self._res.get(request_id)
             return None if res is None else Reservation(res.replica, res.prefill_tokens,
-                                                        res.prefill_done, res.reserved_at_s)
+                                                        res.prefill_done)
 
     def release_now(self, request_id: str) -> None:
         now = self.clock.now()
         with self._lock:
-            res = self._res.get(request_id)
-            if res is not None:  # a request's life, reservation to release
+            self._integrate_locked(now)
+            if request_id in self._res:  # one release more, the window moves on
                 keep = 1 - self.LIFE_WEIGHT
-                self._lives_s = self._lives_s * keep + max(now - res.reserved_at_s, 0.0)
-                self._lives = self._lives * keep + 1
+                self._area *= keep
+                self._releases = self._releases * keep + 1
             self._release_locked(request_id)
 
     async def release(self, request_id: str) -> None:
@@ -115,21 +118,24 @@ class MemoryLoadTracker(LoadTracker):
         self.placed_now(replica, window_s)
 
     def mean_request_life_s(self) -> float:
-        """The mean request life (s) as the exponential lifetime's estimate under
-        censoring: the time the requests have been alive, the released ones' lives plus
-        the ages of those still in flight, over the number released (the "total time on
-        test" estimator, Epstein and Sobel 1953). Decayed over about the last 1,000
-        releases (``LIFE_WEIGHT``). Before any release, the sum of the ages of those in
-        flight stands for it; 0 with nothing reserved yet."""
+        """The mean request life (s) by Little's law, ``W = L / lambda``: the area under
+        the in-flight count (request-seconds) over the releases in the same window, both
+        decayed by ``1 - LIFE_WEIGHT`` at each release (about the last 1,000). The
+        requests still in flight count with the time they have been in flight, so before
+        the first release it is the request-seconds so far (as if one had ended), not 0;
+        0 before any reservation."""
         now = self.clock.now()
         with self._lock:
-            ages = len(self._res) * now - self._reserved_at_sum
-            return (self._lives_s + max(ages, 0.0)) / max(self._lives, 1.0)
+            area = self._area
+            if self._area_at is not None:
+                area += len(self._res) * max(now - self._area_at, 0.0)
+            return area / max(self._releases, 1.0)
 
     async def remove_replica(self, replica: str) -> None:
         with self._lock:
+            self._integrate_locked(self.clock.now())
             for rid in [k for k, v in self._res.items() if v.replica == replica]:
-                self._reserved_at_sum -= self._res.pop(rid).reserved_at_s
+                del self._res[rid]
             self._load.pop(replica, None)
 
     def total_inflight(self) -> int:

@@ -436,14 +436,17 @@ class RedisLoadTracker(LoadTracker):
 
     async def placed(self, replica: str, window_s: float) -> None:
         """``LoadTracker.placed`` in Redis (``lua/lease.lua``'s ``placed``, in the
-        replica's group); a failure is logged and the count left as it is."""
+        replica's group) and in the local mirror (what the loads fall back to when Redis
+        fails); a failed write leaves Redis's count as it is (Redis's failure is reported
+        where the loads are read)."""
+        self.local.placed_now(replica, window_s)
         keys = self.group_keys(self.groups.group_of(replica))
         now_ms = int(self.clock.now() * 1000)
         try:
             await self.conn.call(lambda c: self.scripts.of(c).lease(
-                keys=keys, args=["placed", replica, now_ms, int(window_s * 1000)]))
+                keys=keys, args=["placed", replica, now_ms, round(window_s * 1000)]))
         except IndexUnavailable as exc:
-            logger.warning("new-prefix placement on %s not counted: %s", replica, exc)
+            logger.debug("new-prefix placement on %s not counted in Redis: %s", replica, exc)
 
     def mean_request_life_s(self) -> float:
         return self.local.mean_request_life_s()

@@ -154,13 +154,13 @@ for j = 1, nc do
   inflight[j] = math.max(n, 0)  -- as the Python policy: a count below zero counts as zero
   total = total + math.max(n, 0)
 end
--- the requests expected beside this one: n, or for a new prefix max(n, mean(n) * k / mean(k))
--- (PrefixAware.expected_inflight)
+-- the requests expected beside this one: n, or for a new prefix max(n, mean(n) * k / mean(k)),
+-- mean(n) counting this request (PrefixAware.expected_inflight)
 local expected = {}
 for j = 1, nc do
   expected[j] = inflight[j]
   if new_prefix and window > 0 and sum_k > 0 then
-    expected[j] = math.max(inflight[j], (total / nc) * placed[j] / (sum_k / nc))
+    expected[j] = math.max(inflight[j], ((total + 1) / nc) * placed[j] / (sum_k / nc))
   end
 end
 for j = 1, nc do

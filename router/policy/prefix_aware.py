@@ -64,11 +64,11 @@ class PrefixAware(Policy):
 
         k_r   = placements on r, decaying with time constant W, the routers' mean request
                 life (ReplicaLoad.placements, RouteRequest.placement_window_s)
-        n_r'  = max(n_r, mean(n) * k_r / mean(k))
+        n_r'  = max(n_r, mean(n) * k_r / mean(k)),  mean(n) = (sum(n) + 1) / N
 
     so a replica that has just been given several new prefixes, whose later requests
-    have not come yet, is not taken for idle. Placements older than a request life are
-    forgotten: by then their requests are among the ``n_r`` in flight.
+    have not come yet, is not taken for idle. A placement weighs e^-1 as much after one
+    request life, by when its requests are among the ``n_r`` in flight.
 
     The three terms are sums of seconds over the requests concerned (one user's first
     token, many users' inter-token gaps), so the policy minimises the total latency the
@@ -138,8 +138,8 @@ class PrefixAware(Policy):
                           candidates: Sequence[Candidate]) -> dict[str, float]:
         """Requests each candidate is expected to run beside this one (by replica):
         ``n_r``, or for a new prefix ``max(n_r, mean(n) * k_r / mean(k))`` with ``k_r``
-        its decayed new-prefix placements (the class docstring; ``lua/route.lua`` the
-        same)."""
+        its decayed new-prefix placements and ``mean(n)`` counting this request (so an idle
+        fleet still spreads them); the class docstring; ``lua/route.lua`` the same."""
         n = {c.replica: float(max(c.load.inflight, 0)) for c in candidates}
         window = request.placement_window_s
         if window <= 0 or not new_prefix(request, candidates):
@@ -148,7 +148,7 @@ class PrefixAware(Policy):
         mean_k = sum(k.values()) / len(k)
         if mean_k <= 0:
             return n
-        mean_n = sum(n.values()) / len(n)
+        mean_n = (sum(n.values()) + 1) / len(n)  # this request counted, as load_bound does
         return {r: max(n[r], mean_n * k[r] / mean_k) for r in n}
 
     def cost_s(self, request: RouteRequest, c: Candidate,

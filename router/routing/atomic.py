@@ -76,7 +76,8 @@ class AtomicRoute:
                 max_inflight, running_weight, interference: the ``PrefixAware``
                 parameters of the same names.
             expected_output_tokens: ``RouteRequest.expected_output_tokens``.
-            placement_window_s: ``RouteRequest.placement_window_s`` (s).
+            placement_window_s: ``RouteRequest.placement_window_s`` (s; the script
+                takes it in whole milliseconds).
             u: uniform in [0, 1), the final tie-break (the policy's rng draws it).
         Returns:
             (chosen replica, matched blocks per replica). With shard groups, the matched
@@ -108,7 +109,7 @@ class AtomicRoute:
                 work_weight, decode_step_s_per_seq, step_token_budget, tie_abs_s, tie_rel,
                 min(load_factor, 1e9), u, int(load.heartbeat_ttl_s * 1000),
                 int(max_inflight or 0), running_weight, interference, expected_output_tokens,
-                int(placement_window_s * 1000), *(int(t * 1000) for t in ttls_s), *replicas]
+                round(placement_window_s * 1000), *(int(t * 1000) for t in ttls_s), *replicas]
 
         async def run(client):
             return await load.scripts.of(client).route(keys=redis_keys, args=args)

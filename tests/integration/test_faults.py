@@ -535,7 +535,8 @@ def test_scaling_out_and_in_purges_removed_replicas_and_shares_cold_traffic(
         return got if ok else None
 
     def purged(gone):  # no entry, no load, no lease left for a replica that left
-        load = {k.decode(): int(v) for k, v in c.hgetall(f"{ns}:load").items()}
+        load = {k.decode(): int(v) for k, v in c.hgetall(f"{ns}:load").items()
+                if k.endswith((b":n", b":p"))}
         leases = [v.decode() for v in c.hvals(f"{ns}:leases")]
         return all(c.hlen(f"{ns}:x:{g}") == 0 and c.hlen(f"{ns}:p:{g}") == 0
                    and not load.get(f"{g}:n") and not load.get(f"{g}:p")
