@@ -25,6 +25,7 @@
 -- refuses HINCRBY by -0 (the negation of a 0-token lease), and a script stopped between
 -- the two would decrement again at every retry or sweep (CI saw counts at -8 and -20).
 local load, leases, op = KEYS[1], KEYS[2], ARGV[1]
+--! include placements.lua
 local function parse(v)
   local r, p, done, tail = string.match(v, '^(.-)|(%d+)|(%d)|(.*)$')
   if not r then return nil end
@@ -107,13 +108,7 @@ elseif op == 'purge' then
 elseif op == 'placed' then
   local r, now, window = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
   local v = redis.call('HMGET', load, r .. ':k', r .. ':kt')
-  local k = tonumber(v[1] or '0')
-  if window > 0 and k > 0 then
-    k = k * math.exp(-math.max(now - tonumber(v[2] or '0'), 0) / window)
-  else
-    k = 0
-  end
-  redis.call('HSET', load, r .. ':k', string.format('%.17g', k + 1), r .. ':kt', now)
+  place(load, r, decayed_placements(v[1], v[2], now, window), now)
   return 1
 end
 return redis.error_reply('unknown op ' .. tostring(op))

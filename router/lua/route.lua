@@ -124,6 +124,7 @@ if old then
   end
 end
 
+--! include placements.lua
 local cost, cached, last, inflight, placed = {}, {}, {}, {}, {}
 local best = nil
 local total = 0
@@ -142,12 +143,7 @@ for j = 1, nc do
 end
 local sum_k = 0
 for j = 1, nc do
-  local k = tonumber(v[5 * j - 1] or '0')
-  if window > 0 and k > 0 then
-    k = k * math.exp(-math.max(now - tonumber(v[5 * j] or '0'), 0) / window)
-  else
-    k = 0
-  end
+  local k = decayed_placements(v[5 * j - 1], v[5 * j], now, window)
   placed[j] = k
   sum_k = sum_k + k
   local n = tonumber(v[5 * j - 4] or '0')
@@ -230,8 +226,7 @@ local unc = math.max(P - cached[pick], 0)
 redis.call('HSET', load, chosen .. ':n', tonumber(v[5 * pick - 4] or '0') + 1,
            chosen .. ':p', tonumber(v[5 * pick - 3] or '0') + unc, chosen .. ':t', now)
 if new_prefix then  -- one more new prefix placed there (LoadTracker.placed)
-  redis.call('HSET', load, chosen .. ':k', string.format('%.17g', placed[pick] + 1),
-             chosen .. ':kt', now)
+  place(load, chosen, placed[pick], now)
 end
 redis.call('HSET', leases, req, chosen .. '|' .. unc .. '|0|' .. owner)
 redis.call('SET', heartbeat, 1, 'PX', heartbeat_ttl)

@@ -392,9 +392,7 @@ class RoutingCore:
             matched = self.recent.lookup(inp.block_hashes, ids)
         loads = await self.load.loads(ids)
         candidates = self._candidates(pool, matched, loads)
-        req = self._route_request(inp, pool)
-        if not use_index:  # the index was not read: no prefix is known to be new
-            req = dataclasses.replace(req, cacheable=False)
+        req = self._route_request(inp, pool, index_read=use_index)
         if observed is not None:  # the copy right before the policy draws or counts
             t0 = time.perf_counter()
             live_copy = self.shadow.snapshot(policy)
@@ -458,9 +456,7 @@ class RoutingCore:
         loads = await self.load.loads(ids)
         inp = RouteInput("explain", prompt_tokens, block_hashes, cacheable, text,
                          first_user_text)
-        req = self._route_request(inp, pool)
-        if not (cache_aware and policy.uses_index):  # as _decide_here: nothing known new
-            req = dataclasses.replace(req, cacheable=False)
+        req = self._route_request(inp, pool, index_read=cache_aware and policy.uses_index)
         candidates = self._candidates(pool, matched, loads)
         decision = copy.deepcopy(policy).choose(req, candidates)
         cost = getattr(policy, "cost_s", None)
@@ -522,11 +518,16 @@ class RoutingCore:
             return tokens / finished
         return self._outputs_sum / len(self._outputs) if self._outputs else 0.0
 
-    def _route_request(self, inp: RouteInput,
-                       pool: Sequence[ReplicaInfo] = ()) -> RouteRequest:
+    def _route_request(self, inp: RouteInput, pool: Sequence[ReplicaInfo] = (),
+                       index_read: bool = True) -> RouteRequest:
+        """What the policy sees of ``inp``. A decision made without reading the index
+        (``index_read`` false: no compatible replica, or a policy that does not use it)
+        knows no prefix to be new, so its request is not cacheable for the new-prefix
+        term (``router.policy.base.new_prefix``)."""
         return RouteRequest(prompt_tokens=inp.prompt_tokens,
                             block_size=self.hash_settings.block_size,
-                            num_blocks=len(inp.block_hashes), cacheable=inp.cacheable,
+                            num_blocks=len(inp.block_hashes),
+                            cacheable=inp.cacheable and index_read,
                             text=inp.text, first_user_text=inp.first_user_text,
                             expected_output_tokens=self.expected_output_tokens(pool),
                             placement_window_s=self.load.mean_request_life_s(),
