@@ -306,3 +306,27 @@ async def test_the_core_counts_a_new_prefix_where_it_went_and_a_held_one_nowhere
     rr, _ = make_core("round_robin")
     await rr.decide("x", 20 * BS, hashes(6, 20), replicas("A", "B"))
     assert all(v.placements == 0 for v in (await rr.load.loads(["A", "B"])).values())
+
+
+async def test_a_fallback_decision_counts_its_new_prefix_too():
+    """With the index down the policy decides on this router's recent decisions, new-prefix
+    term included: its placements are counted as well, or the term would read counts that
+    no decision of the outage writes."""
+
+    class DownIndex(MemoryPrefixIndex):
+        async def lookup(self, block_hashes, replica_ids):
+            raise IndexUnavailable("down")
+
+    clock = ManualClock(1000.0)
+    core, _ = make_core(index=DownIndex(clock=clock))
+    core.load.clock = clock
+    for i in range(4):
+        clock.advance(0.01)
+        d = await core.decide(f"q{i}", 20 * BS, hashes(10 + i, 20), replicas("A", "B"))
+        assert d.reason == "fallback"
+    loads = await core.load.loads(["A", "B"])
+    assert sum(v.placements for v in loads.values()) > 3.0  # four placements, decaying
+    again = await core.decide("again", 20 * BS + 3, hashes(10, 20), replicas("A", "B"))
+    assert again.reason == "fallback"  # held by one (recent decisions): not new, not counted
+    assert sum(v.placements for v in (await core.load.loads(["A", "B"])).values()) \
+        == pytest.approx(sum(v.placements for v in loads.values()), rel=0.05)

@@ -146,6 +146,54 @@ async def test_lua_places_a_new_prefix_as_the_python_policy(redis_pair):
     assert moved >= 3  # the placements changed the choice in several trials
 
 
+async def test_the_new_prefix_term_agrees_at_its_edges_and_is_mirrored_locally(redis_pair):
+    """The edges of the new-prefix term, Lua against Python: a window under a millisecond
+    (the first requests after a start) is sent unrounded (rounded, the script read 0 and
+    left the term off), and counts decayed to subnormals, whose sum is above 0 but whose
+    mean is 0, leave the term off in both (the script divided by that mean). The script's
+    placement is mirrored in the router's local counts (what a Redis outage falls back to)."""
+    index, load, clock = redis_pair
+    prefix = [10**9 + i for i in range(8)]
+    prompt = len(prefix) * BS + 5
+
+    async def both(replicas, window_s, rid):
+        u = 0.3
+        policy = PrefixAware(random.Random())
+        policy.rng.random = lambda: u
+        loads = await load.loads(replicas)
+        cands = [Candidate(r, 0, loads[r], 20000.0, 0.005) for r in replicas]
+        req = RouteRequest(prompt, BS, len(prefix), expected_output_tokens=100,
+                           placement_window_s=window_s, now_s=clock.now())
+        expected = policy.choose(req, cands).replica
+        chosen, _ = await AtomicRoute(index, load).route(
+            rid, prompt, prefix, replicas, [15.0] * len(replicas), **route_kwargs(policy, u),
+            expected_output_tokens=100, placement_window_s=window_s)
+        return expected, chosen
+
+    # a 0.4 ms window: r0 has just taken three new prefixes, r1 one request
+    for _ in range(3):
+        await load.placed("r0", 0.0004)
+    await load.reserve("x", "r1", 0)
+    await load.release("x")
+    expected, chosen = await both(["r0", "r1"], 0.0004, "sub-ms")
+    assert chosen == expected == "r1"
+    mirrored = load.local.loads_now([chosen])[chosen]
+    assert mirrored.placements == pytest.approx(1.0) and mirrored.placements_at_s == clock.now()
+    await load.release("sub-ms")
+    # one placement on q0 744 windows ago (about 1e-323 now), the others busy
+    await load.placed("q0", 1.0)
+    clock.advance(744.0)
+    for r in ("q1", "q2", "q3"):
+        for i in range(2):
+            await load.reserve(f"bg-{r}-{i}", r, 0)
+    expected, chosen = await both(["q0", "q1", "q2", "q3"], 1.0, "subnormal")
+    assert chosen == expected == "q0"
+    for r in ("q1", "q2", "q3"):
+        for i in range(2):
+            await load.release(f"bg-{r}-{i}")
+    await load.release("subnormal")
+
+
 async def test_a_prefix_some_replica_holds_counts_no_placement(redis_pair):
     """Only a new prefix is counted; a request whose prefix a replica holds is not."""
     index, load, clock = redis_pair

@@ -8,11 +8,12 @@ from tests.conftest import REDIS_URL
 
 
 def test_the_kit_counts_routed_200s_that_the_engines_answered(model_dir):
-    from loadtest.router_throughput import Stack, measure_throughput
+    from loadtest.router_throughput import Stack, measure_burst, measure_throughput, tables
 
     with Stack(REDIS_URL, ingress=1, engines=2) as stack:
         row = measure_throughput(stack, 1, concurrency=4, clients=1, warmup_s=0.5,
                                  window_s=1.5)
+        burst = measure_burst(stack, 1, tokens=2048, concurrency=4, rounds=1, singles=2)
     assert row["ok"] > 0, row
     assert row["failed"] == 0, row
     assert row["rps"] == row["ok"] / 1.5
@@ -20,3 +21,11 @@ def test_the_kit_counts_routed_200s_that_the_engines_answered(model_dir):
     # answered the warm-up's and the window's unfinished requests)
     assert row["engine_calls"] >= row["ok"], row
     assert 0 < row["ingress_cpu"] and row["p50_ms"] > 0
+    # the burst: every request routed and complete; its time splits into the router's own
+    # (server-timing) and the rest, both measured per request
+    assert burst["failed"] == 0 and burst["ok"] == 2 + 4, burst
+    assert 0 < burst["routing_p50_ms"] <= burst["routing_p99_ms"], burst
+    assert 0 < burst["single_routing_p50_ms"] < burst["single_p50_ms"], burst
+    assert 0 < burst["rest_p50_ms"] <= burst["rest_p99_ms"] < burst["burst_p99_ms"], burst
+    text = tables([], [burst], 0.0)  # --burst-only: no throughput rows
+    assert "not measured here (`--burst-only`)" in text and "| 1 | " in text, text

@@ -444,7 +444,7 @@ class RedisLoadTracker(LoadTracker):
         now_ms = int(self.clock.now() * 1000)
         try:
             await self.conn.call(lambda c: self.scripts.of(c).lease(
-                keys=keys, args=["placed", replica, now_ms, round(window_s * 1000)]))
+                keys=keys, args=["placed", replica, now_ms, window_s * 1000]))
         except IndexUnavailable as exc:
             logger.debug("new-prefix placement on %s not counted in Redis: %s", replica, exc)
 

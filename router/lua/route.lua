@@ -152,11 +152,14 @@ for j = 1, nc do
 end
 -- the requests expected beside this one: n, or for a new prefix max(n, mean(n) * k / mean(k)),
 -- mean(n) counting this request (PrefixAware.expected_inflight)
+-- (the test is on mean(k) itself: counts decayed to subnormals can sum above 0 and average
+-- to 0)
 local expected = {}
+local mean_k = sum_k / nc
 for j = 1, nc do
   expected[j] = inflight[j]
-  if new_prefix and window > 0 and sum_k > 0 then
-    expected[j] = math.max(inflight[j], ((total + 1) / nc) * placed[j] / (sum_k / nc))
+  if new_prefix and window > 0 and mean_k > 0 then
+    expected[j] = math.max(inflight[j], ((total + 1) / nc) * placed[j] / mean_k)
   end
 end
 for j = 1, nc do

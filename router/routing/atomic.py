@@ -109,7 +109,7 @@ class AtomicRoute:
                 work_weight, decode_step_s_per_seq, step_token_budget, tie_abs_s, tie_rel,
                 min(load_factor, 1e9), u, int(load.heartbeat_ttl_s * 1000),
                 int(max_inflight or 0), running_weight, interference, expected_output_tokens,
-                round(placement_window_s * 1000), *(int(t * 1000) for t in ttls_s), *replicas]
+                placement_window_s * 1000, *(int(t * 1000) for t in ttls_s), *replicas]
 
         async def run(client):
             return await load.scripts.of(client).route(keys=redis_keys, args=args)
@@ -123,6 +123,8 @@ class AtomicRoute:
         matched = {r: int(n) for r, n in zip(replicas, res[1:len(replicas) + 1])}
         cached = cached_tokens(matched[chosen], prompt_tokens, block_size)
         load.adopt(request_id, chosen, max(prompt_tokens - cached, 0))
+        if block_hashes and not any(matched.values()):  # the script placed a new prefix
+            load.local.placed_now(chosen, placement_window_s)  # mirrored, as adopt's lease
         if groups.tagged:
             self.first_level.observe(group, block_hashes, int(res[len(replicas) + 1]))
             matched = {r: matched.get(r, 0) for r in everyone}

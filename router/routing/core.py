@@ -404,7 +404,9 @@ class RoutingCore:
         chosen = decision.replica
         uncached = max(inp.prompt_tokens - decision.predicted_cached_tokens.get(chosen, 0), 0)
         await self.load.reserve(inp.request_id, chosen, uncached)
-        if policy.counts_placements and not index_failed and new_prefix(req, candidates):
+        # a fallback decision counts too (locally when Redis is down): its policy weighed
+        # the new-prefix term on the same counts
+        if policy.counts_placements and new_prefix(req, candidates):
             await self.load.placed(chosen, req.placement_window_s)
         if cache_aware and not index_failed:
             chosen_info = next(r for r in pool if r.replica_id == chosen)
