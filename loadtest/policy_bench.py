@@ -37,10 +37,11 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import time
 from pathlib import Path
 
-from loadtest.report import RESULTS, write_benchmark_doc
+from loadtest.report import RESULTS, percentile, write_benchmark_doc
 from loadtest.sim import SimConfig, simulate
 from loadtest.workloads import WORKLOADS
 from replicas.sim.engine import EngineConfig
@@ -84,19 +85,26 @@ def workload(name: str, rate: float | None, seed: int):
     return WORKLOADS[name](**kwargs), kwargs
 
 
-def run_case(case: tuple, progress=None) -> dict:
+def simulate_case(case: tuple, progress=None):
     """One simulation of the suite: ``case`` = (replicas, workload, rate or None, policy
-    spec, capacity, seed); returns its summary row."""
+    spec, capacity, seed); returns its ``SimResult`` and the workload's parameters."""
     n, wl, rate, spec, capacity, seed = case
     reqs, params = workload(wl, rate, seed)
     bs = BLOCK_SIZE.get(wl, 16)
     engine = EngineConfig(num_blocks=KV_TOKENS[capacity] // bs, block_size=bs,
                           max_num_batched_tokens=8192, max_num_seqs=256)
     pol, kwargs = parse_policy(spec)
-    t0 = time.perf_counter()
     res = simulate(SimConfig(pol, replicas=n, engine=engine,
                              step_model=StepTimeModel.load("h200-qwen2.5-7b"), seed=seed,
                              policy_kwargs=kwargs), reqs, progress=progress)
+    return res, params
+
+
+def run_case(case: tuple, progress=None) -> dict:
+    """One simulation of the suite (``simulate_case``); returns its summary row."""
+    n, wl, rate, spec, capacity, seed = case
+    t0 = time.perf_counter()
+    res, params = simulate_case(case, progress)
     row = res.summary()
     row.update({"policy": spec, "workload": wl, "params": params, "replicas": n,
                 "capacity": capacity, "wall_s": time.perf_counter() - t0,
@@ -126,6 +134,50 @@ def run_suite(workloads: list[str], replicas: list[int], policies: list[str],
                 progress(row["requests"])
             rows[i] = row
     return rows
+
+
+def tail_anatomy(results: dict, ours: str, share: float = 0.01, shown: int = 12) -> str:
+    """What the slowest ``share`` of ``ours``'s requests by TTFT had in cache, against the
+    same requests under every other policy of ``results`` (policy spec -> ``SimResult`` of
+    one case): the Markdown of a summary per policy (TTFT p99; of ours's tail, the
+    requests it served with more cached tokens; the mean uncached prompt tokens of ours's
+    tail there and under ours) and of ours's ``shown`` slowest requests.
+
+    Raises:
+        KeyError: ``ours`` is not in ``results``.
+    """
+    mine = results[ours]
+    ids = sorted(mine.by_request, key=lambda k: -mine.by_request[k][0])
+    tail = ids[:max(int(len(ids) * share), 1)]
+
+    def uncached(res, k):
+        return res.request_log[k][2] - res.by_request[k][1]
+
+    lines = [f"{ours}'s slowest {share:.0%} by TTFT: {len(tail)} of {len(ids)} requests, "
+             f"mean {statistics.mean(uncached(mine, k) for k in tail):,.0f} uncached prompt "
+             f"tokens (mean prompt {statistics.mean(mine.request_log[k][2] for k in tail):,.0f})"
+             f"; TTFT p99 {percentile(mine.ttft_s, 0.99):.3f} s.", "",
+             "| policy | TTFT p99 (s) | of those requests, served with more cached tokens | "
+             "their mean uncached tokens there | their mean TTFT there (s) |",
+             "|---|---|---|---|---|"]
+    others = [p for p in results if p != ours]
+    for p in others:
+        res = results[p]
+        got = [k for k in tail if k in res.by_request]
+        more = sum(res.by_request[k][1] > mine.by_request[k][1] for k in got)
+        lines.append(f"| {p} | {percentile(res.ttft_s, 0.99):.3f} | {more} of {len(got)} | "
+                     f"{statistics.mean(uncached(res, k) for k in got):,.0f} | "
+                     f"{statistics.mean(res.by_request[k][0] for k in got):.3f} |")
+    head = "| request | prompt tokens | " + " | ".join(
+        f"{p}: TTFT (s) / cached" for p in [ours] + others) + " |"
+    lines += ["", head, "|---|---|" + "---|" * (1 + len(others))]
+    for k in tail[:shown]:
+        cells = []
+        for p in [ours] + others:
+            t, cached = results[p].by_request.get(k, (float("nan"), 0))
+            cells.append(f"{t:.3f} / {cached:,}")
+        lines.append(f"| {k} | {mine.request_log[k][2]:,} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def _cdf(xs: list[float], points: int = 200) -> list[tuple[float, float]]:
@@ -379,13 +431,27 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --from-json (rows of any capacities): the targets table of "
                          "our configurations against the best anchor per case, and the "
                          "ITL/TTFT plane of the cases missed (docs/img/policy-tradeoff.png)")
+    ap.add_argument("--tail", action="store_true",
+                    help="one workload at one replica count: what the first policy's "
+                         "slowest 1 %% of requests by TTFT had in cache, against the same "
+                         "requests under the other policies (printed, no doc)")
     a = ap.parse_args(argv)
+    if a.tail and (len(a.workloads) != 1 or len(a.replicas) != 1 or len(a.policies) < 2):
+        ap.error("--tail compares one workload at one replica count over two or more "
+                 "policies")
     for spec in a.policies:
         try:
             parse_policy(spec)
         except ValueError as e:
             ap.error(str(e))
     t0 = time.time()
+    if a.tail:
+        rate = a.rates[0] if a.rates else None
+        results = {spec: simulate_case((a.replicas[0], a.workloads[0], rate, spec, a.capacity,
+                                        a.seed))[0] for spec in a.policies}
+        print(f"### {a.workloads[0]}, {a.replicas[0]} replicas, {a.capacity} KV capacity\n")
+        print(tail_anatomy(results, a.policies[0]))
+        return 0
     if a.raw:
         rows = run_suite(a.workloads, a.replicas, a.policies, a.capacity, a.rates, a.seed,
                          jobs=a.jobs)

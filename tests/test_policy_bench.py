@@ -114,3 +114,24 @@ def test_the_standard_suite_runs_the_new_workloads():
     assert {"agentic", "rag"} <= set(policy_bench.STANDARD)
     reqs, params = policy_bench.workload("agentic", 1.5, seed=0)
     assert params["rate_tasks"] == 1.5 and reqs
+
+
+def test_tail_anatomy_reads_ours_slowest_requests_against_the_same_under_others():
+    """``--tail``: ours's slowest requests, what each had in cache there and under another
+    policy, on two small real simulations of one case (the same requests by id)."""
+    from loadtest.policy_bench import simulate_case, tail_anatomy
+    results = {p: simulate_case((2, "multiturn", 1.0, p, "h200", 0))[0]
+               for p in ("prefix_aware", "round_robin")}
+    ours = results["prefix_aware"]
+    text = tail_anatomy(results, "prefix_aware", share=0.05, shown=3)
+    slowest = sorted(ours.by_request, key=lambda k: -ours.by_request[k][0])
+    tail = slowest[:int(len(slowest) * 0.05)]
+    rr = results["round_robin"]
+    more = sum(rr.by_request[k][1] > ours.by_request[k][1] for k in tail)
+    assert f"| round_robin | {policy_bench.percentile(rr.ttft_s, 0.99):.3f} | " \
+           f"{more} of {len(tail)} |" in text
+    rows = [line for line in text.splitlines() if line.startswith("| q")]
+    assert [r.split(" | ")[0][2:] for r in rows] == slowest[:3]  # slowest first
+    k = slowest[0]
+    assert rows[0].split(" | ")[2] == (f"{ours.by_request[k][0]:.3f} / "
+                                       f"{ours.by_request[k][1]:,}")
