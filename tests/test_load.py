@@ -178,6 +178,30 @@ async def test_new_prefix_placements_decay_over_the_window():
     assert (await t.loads(["b"]))["b"].placements == 0.0
 
 
+async def test_a_placement_follows_its_request_and_is_forgotten_at_its_release(load):
+    """``placed`` with a request id: ``placement_moved`` takes the count off the replica
+    the decision put it on and counts it where the request went (a session join, Serve's
+    own choice), once; ``unplaced`` never goes below 0; the release forgets the request
+    (across shard groups too: ``A`` and ``C`` lie in different groups on the cluster)."""
+    await load.reserve("q", "A", 10)
+    await load.placed("A", 5.0, "q")
+    assert load.placement_of("q") == "A"
+    await load.placement_moved("q", "C", 5.0)
+    assert (await _load(load, "A")).placements == 0.0
+    assert (await _load(load, "C")).placements == pytest.approx(1.0)
+    await load.placement_moved("q", "C", 5.0)  # already there
+    assert (await _load(load, "C")).placements == pytest.approx(1.0)
+    await load.placed("C", 5.0)  # another request's, without its id
+    await load.unplaced("C", 5.0)
+    await load.unplaced("C", 5.0)
+    await load.unplaced("C", 5.0)
+    assert (await _load(load, "C")).placements == 0.0
+    await load.release("q")
+    assert load.placement_of("q") is None
+    await load.placement_moved("q", "A", 5.0)  # released: nothing follows it any more
+    assert (await _load(load, "A")).placements == 0.0
+
+
 async def test_mean_request_life_counts_the_requests_still_in_flight():
     """``MemoryLoadTracker.mean_request_life_s``: Little's law, the area under the
     in-flight count over the releases; before any release the area so far (the requests

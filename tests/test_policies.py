@@ -308,6 +308,18 @@ async def test_the_core_counts_a_new_prefix_where_it_went_and_a_held_one_nowhere
     assert all(v.placements == 0 for v in (await rr.load.loads(["A", "B"])).values())
 
 
+async def test_a_request_serve_sends_elsewhere_takes_its_new_prefix_count_along():
+    """``RoutingCore.moved`` (Serve chose another replica): the placement the decision
+    counted follows the request, as its reservation does."""
+    core, clock = make_core()
+    d = await core.decide("first", 20 * BS, hashes(5, 20), replicas("A", "B"))
+    other = "B" if d.replica == "A" else "A"
+    await core.moved("first", ReplicaInfo(other, {}, {}), 20 * BS, hashes(5, 20), 0)
+    loads = await core.load.loads(["A", "B"])
+    assert loads[d.replica].placements == 0.0 and loads[other].placements == 1.0
+    assert loads[other].inflight == 1 and loads[d.replica].inflight == 0
+
+
 async def test_a_fallback_decision_counts_its_new_prefix_too():
     """With the index down the policy decides on this router's recent decisions, new-prefix
     term included: its placements are counted as well, or the term would read counts that

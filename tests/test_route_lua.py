@@ -472,10 +472,12 @@ async def test_a_late_route_script_of_a_request_that_went_nowhere_leaves_no_leas
     await _settled(core_module)
     assert admin.hget(f"{ns}:load", "a:t") or admin.hget(f"{ns}:load", "b:t")  # it ran
     assert admin.hgetall(f"{ns}:leases") == {}
-    # the counts are back to zero (the new-prefix placement count, k, is a forecast that
-    # decays, not a lease: it stays)
+    # the counts are back to zero, the new-prefix placement the script counted included
+    # (the request's fallback decision failed: it placed nothing anywhere)
     assert all(int(v) == 0 for k, v in admin.hgetall(f"{ns}:load").items()
                if k.endswith((b":n", b":p")))
+    assert all(float(v) == 0 for k, v in admin.hgetall(f"{ns}:load").items()
+               if k.endswith(b":k")), admin.hgetall(f"{ns}:load")
     assert await index.lookup(hashes, ["a", "b"]) == {"a": 0, "b": 0}
     await load.close()
     await conn.close()

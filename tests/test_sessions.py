@@ -98,6 +98,12 @@ async def test_first_turns_on_two_routers_at_once_land_on_one_replica(routers):
         assert d1.replica == d2.replica, (trial, d1, d2)
         loads = await cores[0].load.loads([r.replica_id for r in REPS])
         assert loads[d1.replica].inflight >= 2  # both reservations where they go
+        # each first turn is a new prefix: a placement counted for it went with it, joined
+        # or not (a turn that found the other's pin already there was decided by the pin,
+        # which counts none)
+        placed = [cores[0].load.placement_of(f"x{trial}"),
+                  cores[1].load.placement_of(f"y{trial}")]
+        assert set(placed) <= {d1.replica, None} and placed != [None, None], placed
 
 
 async def test_a_failing_session_store_leaves_routing_as_without_sessions():

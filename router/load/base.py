@@ -83,11 +83,34 @@ class LoadTracker(ABC):
     async def release(self, request_id: str) -> None:
         """The request finished (success, error or disconnect). Idempotent."""
 
-    async def placed(self, replica: str, window_s: float) -> None:
+    async def placed(self, replica: str, window_s: float,
+                     request_id: str | None = None) -> None:
         """A prefix no replica held was placed on ``replica``: its decaying placement count
-        (``ReplicaLoad.placements``, time constant ``window_s`` seconds) grows by one.
-        Never raises: a count that could not be written only weakens the spread of new
-        prefixes."""
+        (``ReplicaLoad.placements``, time constant ``window_s`` seconds) grows by one. With
+        ``request_id``, the placement is the request's (``placement_moved`` follows it)
+        until its ``release``. Never raises: a count that could not be written only weakens
+        the spread of new prefixes."""
+
+    async def unplaced(self, replica: str, window_s: float, mirror: bool = True) -> None:
+        """One placement less on ``replica`` (its decayed count less one, never below 0): a
+        placement counted where its request did not go. ``mirror``: in this router's own
+        counts too (false for a count only the shared store has, a late route script's).
+        Never raises."""
+
+    def placement_of(self, request_id: str) -> str | None:
+        """The replica ``request_id``'s new-prefix placement was counted on (``placed``
+        with its id, or a route script's that this router adopted), until its release."""
+        return None
+
+    async def placement_moved(self, request_id: str, replica: str, window_s: float) -> None:
+        """``request_id`` went to ``replica``, not where its decision counted its new
+        prefix (a session's first turn joining another router's pin, Serve choosing
+        another replica): the count follows it. Nothing when it placed none, or there."""
+        old = self.placement_of(request_id)
+        if old is None or old == replica:
+            return
+        await self.unplaced(old, window_s)
+        await self.placed(replica, window_s, request_id)
 
     def mean_request_life_s(self) -> float:
         """Mean seconds from reservation to release of this process's requests (about

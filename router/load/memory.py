@@ -30,6 +30,7 @@ class MemoryLoadTracker(LoadTracker):
         self._area = 0.0
         self._releases = 0.0
         self._area_at: float | None = None
+        self._placed_by: dict[str, str] = {}  # request id -> replica its placement is on
 
     def loads_now(self, replicas: Sequence[str]) -> dict[str, ReplicaLoad]:
         with self._lock:
@@ -103,19 +104,32 @@ class MemoryLoadTracker(LoadTracker):
                 self._area *= keep
                 self._releases = self._releases * keep + 1
             self._release_locked(request_id)
+            self._placed_by.pop(request_id, None)
 
     async def release(self, request_id: str) -> None:
         self.release_now(request_id)
 
-    def placed_now(self, replica: str, window_s: float) -> None:
+    def placed_now(self, replica: str, window_s: float, request_id: str | None = None,
+                   delta: float = 1.0) -> None:
+        """``placed`` (``delta`` -1: ``unplaced``), at once."""
         now = self.clock.now()
         with self._lock:
             load = self._load.setdefault(replica, ReplicaLoad())
-            load.placements = decayed_placements(load, now, window_s) + 1
+            load.placements = max(decayed_placements(load, now, window_s) + delta, 0.0)
             load.placements_at_s = now
+            if request_id is not None:
+                self._placed_by[request_id] = replica
 
-    async def placed(self, replica: str, window_s: float) -> None:
-        self.placed_now(replica, window_s)
+    async def placed(self, replica: str, window_s: float,
+                     request_id: str | None = None) -> None:
+        self.placed_now(replica, window_s, request_id)
+
+    async def unplaced(self, replica: str, window_s: float, mirror: bool = True) -> None:
+        self.placed_now(replica, window_s, delta=-1.0)
+
+    def placement_of(self, request_id: str) -> str | None:
+        with self._lock:
+            return self._placed_by.get(request_id)
 
     def mean_request_life_s(self) -> float:
         """The mean request life (s) by Little's law, ``W = L / lambda``: the area under

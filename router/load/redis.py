@@ -434,19 +434,38 @@ class RedisLoadTracker(LoadTracker):
         except IndexUnavailable:
             pass
 
-    async def placed(self, replica: str, window_s: float) -> None:
+    async def placed(self, replica: str, window_s: float,
+                     request_id: str | None = None) -> None:
         """``LoadTracker.placed`` in Redis (``lua/lease.lua``'s ``placed``, in the
         replica's group) and in the local mirror (what the loads fall back to when Redis
         fails); a failed write leaves Redis's count as it is (Redis's failure is reported
         where the loads are read)."""
-        self.local.placed_now(replica, window_s)
+        self.local.placed_now(replica, window_s, request_id)
+        await self._placement_op("placed", replica, window_s)
+
+    async def unplaced(self, replica: str, window_s: float, mirror: bool = True) -> None:
+        """``LoadTracker.unplaced`` in Redis (``lua/lease.lua``'s ``unplaced``) and, with
+        ``mirror``, in the local mirror."""
+        if mirror:
+            self.local.placed_now(replica, window_s, delta=-1.0)
+        await self._placement_op("unplaced", replica, window_s)
+
+    async def _placement_op(self, op: str, replica: str, window_s: float) -> None:
         keys = self.group_keys(self.groups.group_of(replica))
         now_ms = int(self.clock.now() * 1000)
-        try:
+        try:  # the window in fractional ms, as route.lua gets it
             await self.conn.call(lambda c: self.scripts.of(c).lease(
-                keys=keys, args=["placed", replica, now_ms, window_s * 1000]))
+                keys=keys, args=[op, replica, now_ms, window_s * 1000]))
         except IndexUnavailable as exc:
-            logger.debug("new-prefix placement on %s not counted in Redis: %s", replica, exc)
+            logger.debug("new-prefix %s on %s not written to Redis: %s", op, replica, exc)
+
+    def placement_of(self, request_id: str) -> str | None:
+        return self.local.placement_of(request_id)
+
+    def adopt_placement(self, request_id: str, replica: str, window_s: float) -> None:
+        """A route script counted ``request_id``'s new prefix on ``replica`` in Redis
+        (``AtomicRoute``): mirror it locally, as the request's placement."""
+        self.local.placed_now(replica, window_s, request_id)
 
     def mean_request_life_s(self) -> float:
         return self.local.mean_request_life_s()

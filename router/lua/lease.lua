@@ -1,8 +1,9 @@
 -- Load leases: reserve or release a request, mark its prefill done, or sweep leases of
--- dead routers.
+-- dead routers; and the replicas' counts of new-prefix placements.
 -- KEYS[1]: load hash; KEYS[2]: lease hash; reserve only: KEYS[3] the router's heartbeat key
 -- (with shard groups, all three carry the group's hash tag: one slot)
--- ARGV[1]: op ("reserve" | "release" | "prefill_done" | "sweep" | "purge"); then
+-- ARGV[1]: op ("reserve" | "release" | "prefill_done" | "sweep" | "purge" | "placed" |
+--   "unplaced"); then
 --   reserve: ARGV[2] request id, ARGV[3] replica, ARGV[4] prefill tokens, ARGV[5] now (ms),
 --          ARGV[6] the owner ("router id|attempt"), ARGV[7] heartbeat TTL (ms): any
 --          earlier lease of the id is released, the replica's counts grow, its last
@@ -18,6 +19,8 @@
 --   placed: ARGV[2] replica id, ARGV[3] now (ms), ARGV[4] window (ms): a prefix no replica
 --          held was placed there; its decaying count (<replica>:k as of <replica>:kt, time
 --          constant the window, as route.lua) grows by one
+--   unplaced: the same arguments: a placement counted there went elsewhere; the count
+--          shrinks by one (never below 0)
 -- A lease is "replica|prefill tokens|prefill done (0/1)|router id|attempt" (route.lua and
 -- router/load/redis.py write it; a lease without the attempt field is read as attempt "").
 -- Idempotent: a lease is removed once, and only a present lease changes the counters.
@@ -105,10 +108,11 @@ elseif op == 'purge' then
   redis.call('HDEL', load, ARGV[2] .. ':n', ARGV[2] .. ':p', ARGV[2] .. ':t',
              ARGV[2] .. ':k', ARGV[2] .. ':kt')
   return 1
-elseif op == 'placed' then
+elseif op == 'placed' or op == 'unplaced' then
   local r, now, window = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
   local v = redis.call('HMGET', load, r .. ':k', r .. ':kt')
-  place(load, r, decayed_placements(v[1], v[2], now, window), now)
+  place(load, r, decayed_placements(v[1], v[2], now, window), now,
+        op == 'placed' and 1 or -1)
   return 1
 end
 return redis.error_reply('unknown op ' .. tostring(op))

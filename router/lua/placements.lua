@@ -11,8 +11,9 @@ local function decayed_placements(k, kt, now, window)
   end
   return 0
 end
--- One more new prefix placed on replica ``r`` of load hash ``load``, whose count decayed to
--- ``now`` is ``k`` (LoadTracker.placed).
-local function place(load, r, k, now)
-  redis.call('HSET', load, r .. ':k', string.format('%.17g', k + 1), r .. ':kt', now)
+-- Replica ``r``'s count in load hash ``load``, decayed to ``now`` as ``k``, changed by
+-- ``delta`` (1: LoadTracker.placed; -1: LoadTracker.unplaced), never below 0.
+local function place(load, r, k, now, delta)
+  redis.call('HSET', load, r .. ':k', string.format('%.17g', math.max(k + delta, 0)),
+             r .. ':kt', now)
 end

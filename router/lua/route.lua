@@ -229,7 +229,7 @@ local unc = math.max(P - cached[pick], 0)
 redis.call('HSET', load, chosen .. ':n', tonumber(v[5 * pick - 4] or '0') + 1,
            chosen .. ':p', tonumber(v[5 * pick - 3] or '0') + unc, chosen .. ':t', now)
 if new_prefix then  -- one more new prefix placed there (LoadTracker.placed)
-  place(load, chosen, placed[pick], now)
+  place(load, chosen, placed[pick], now, 1)
 end
 redis.call('HSET', leases, req, chosen .. '|' .. unc .. '|0|' .. owner)
 redis.call('SET', heartbeat, 1, 'PX', heartbeat_ttl)

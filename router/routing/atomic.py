@@ -124,7 +124,7 @@ class AtomicRoute:
         cached = cached_tokens(matched[chosen], prompt_tokens, block_size)
         load.adopt(request_id, chosen, max(prompt_tokens - cached, 0))
         if block_hashes and not any(matched.values()):  # the script placed a new prefix
-            load.local.placed_now(chosen, placement_window_s)  # mirrored, as adopt's lease
+            load.adopt_placement(request_id, chosen, placement_window_s)
         if groups.tagged:
             self.first_level.observe(group, block_hashes, int(res[len(replicas) + 1]))
             matched = {r: matched.get(r, 0) for r in everyone}
@@ -147,6 +147,9 @@ class AtomicRoute:
           reservation, which it released: the load would count its replica, not the
           request's). A later attempt's lease is never ended (``RedisLoadTracker.
           release_attempt``).
+        - Its new-prefix placement (a prompt no candidate held): taken back from the
+          replica it chose (``LoadTracker.unplaced``, in Redis only: it was never mirrored
+          here). The fallback's decision counted the request's own where it went.
 
         Caveat: a request decided between the script and this correction that followed
         its entries to its replica loses them there (``routed`` has them too, and the
@@ -173,6 +176,10 @@ class AtomicRoute:
         moved = chosen != routed
         if moved or not self.load.holds(late.request_id):
             await self.load.release_attempt(late.request_id, late.owner, late.group)
+        if late.block_hashes and not any(int(m) for m in res[1:1 + len(late.replicas)]):
+            # it counted a new prefix in Redis, never mirrored here: the request's own
+            # decision (the fallback's) counted its placement where it went, if anywhere
+            await self.load.unplaced(chosen, self.load.mean_request_life_s(), mirror=False)
         if moved:
             await self.index.forget_predicted(chosen, late.block_hashes[matched:],
                                               maintenance=True)

@@ -358,6 +358,8 @@ class RoutingCore:
                     predicted = dict(decision.predicted_cached_tokens)
                     await self.load.reserve(inp.request_id, winner, max(
                         inp.prompt_tokens - predicted.get(winner, 0), 0))
+                    await self.load.placement_moved(inp.request_id, winner,
+                                                    self.load.mean_request_life_s())
                     if cache_aware:
                         await self.record(winner, inp.block_hashes, self.predicted_ttl_s(info))
                     rest = [r for r in decision.ranked if r != winner]
@@ -407,7 +409,7 @@ class RoutingCore:
         # a fallback decision counts too (locally when Redis is down): its policy weighed
         # the new-prefix term on the same counts
         if policy.counts_placements and new_prefix(req, candidates):
-            await self.load.placed(chosen, req.placement_window_s)
+            await self.load.placed(chosen, req.placement_window_s, inp.request_id)
         if cache_aware and not index_failed:
             chosen_info = next(r for r in pool if r.replica_id == chosen)
             await self.record(chosen, inp.block_hashes, self.predicted_ttl_s(chosen_info))
@@ -602,11 +604,14 @@ class RoutingCore:
     async def moved(self, request_id: str, replica: ReplicaInfo, prompt_tokens: int,
                     block_hashes: Sequence[int], predicted_cached_tokens: int) -> None:
         """Serve sent the request to ``replica``, not the router's choice: move its
-        reservation and predicted entries there."""
+        reservation, its new-prefix placement if it counted one, and its predicted entries
+        there."""
         if self.health is not None:
             self.health.routed(replica.replica_id)
         await self.load.reserve(request_id, replica.replica_id,
                                 max(prompt_tokens - predicted_cached_tokens, 0))
+        await self.load.placement_moved(request_id, replica.replica_id,
+                                        self.load.mean_request_life_s())
         if block_hashes:
             self.recent.record(replica.replica_id, block_hashes, self.settings.predicted_ttl_s)
             await self.record(replica.replica_id, block_hashes, self.predicted_ttl_s(replica))
