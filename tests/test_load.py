@@ -202,6 +202,17 @@ async def test_a_placement_follows_its_request_and_is_forgotten_at_its_release(l
     assert (await _load(load, "A")).placements == 0.0
 
 
+async def test_a_placement_counted_while_the_store_fails_stays_in_this_routers_counts(load):
+    """``placed(local_only=True)`` (a decision made while the index fails): counted in the
+    router's own counts, with no call to the shared store that would wait once more."""
+    await load.placed("A", 5.0, "q", local_only=True)
+    assert load.placement_of("q") == "A"
+    local = load if isinstance(load, MemoryLoadTracker) else load.local
+    assert local.loads_now(["A"])["A"].placements == pytest.approx(1.0)
+    if not isinstance(load, MemoryLoadTracker):
+        assert (await _load(load, "A")).placements == 0.0  # Redis was not written
+
+
 async def test_mean_request_life_counts_the_requests_still_in_flight():
     """``MemoryLoadTracker.mean_request_life_s``: Little's law, the area under the
     in-flight count over the releases; before any release the area so far (the requests

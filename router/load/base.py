@@ -84,12 +84,13 @@ class LoadTracker(ABC):
         """The request finished (success, error or disconnect). Idempotent."""
 
     async def placed(self, replica: str, window_s: float,
-                     request_id: str | None = None) -> None:
+                     request_id: str | None = None, local_only: bool = False) -> None:
         """A prefix no replica held was placed on ``replica``: its decaying placement count
         (``ReplicaLoad.placements``, time constant ``window_s`` seconds) grows by one. With
         ``request_id``, the placement is the request's (``placement_moved`` follows it)
-        until its ``release``. Never raises: a count that could not be written only weakens
-        the spread of new prefixes."""
+        until its ``release``. ``local_only``: in this router's own counts only (a decision
+        made while the shared store fails: no call that would wait for it). Never raises:
+        a count that could not be written only weakens the spread of new prefixes."""
 
     async def unplaced(self, replica: str, window_s: float, mirror: bool = True) -> None:
         """One placement less on ``replica`` (its decayed count less one, never below 0): a

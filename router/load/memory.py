@@ -121,7 +121,7 @@ class MemoryLoadTracker(LoadTracker):
                 self._placed_by[request_id] = replica
 
     async def placed(self, replica: str, window_s: float,
-                     request_id: str | None = None) -> None:
+                     request_id: str | None = None, local_only: bool = False) -> None:
         self.placed_now(replica, window_s, request_id)
 
     async def unplaced(self, replica: str, window_s: float, mirror: bool = True) -> None:

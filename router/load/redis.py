@@ -435,13 +435,14 @@ class RedisLoadTracker(LoadTracker):
             pass
 
     async def placed(self, replica: str, window_s: float,
-                     request_id: str | None = None) -> None:
-        """``LoadTracker.placed`` in Redis (``lua/lease.lua``'s ``placed``, in the
-        replica's group) and in the local mirror (what the loads fall back to when Redis
-        fails); a failed write leaves Redis's count as it is (Redis's failure is reported
-        where the loads are read)."""
+                     request_id: str | None = None, local_only: bool = False) -> None:
+        """``LoadTracker.placed`` in the local mirror (what the loads fall back to when
+        Redis fails) and, unless ``local_only``, in Redis (``lua/lease.lua``'s ``placed``,
+        in the replica's group); a failed write leaves Redis's count as it is (Redis's
+        failure is reported where the loads are read)."""
         self.local.placed_now(replica, window_s, request_id)
-        await self._placement_op("placed", replica, window_s)
+        if not local_only:
+            await self._placement_op("placed", replica, window_s)
 
     async def unplaced(self, replica: str, window_s: float, mirror: bool = True) -> None:
         """``LoadTracker.unplaced`` in Redis (``lua/lease.lua``'s ``unplaced``) and, with

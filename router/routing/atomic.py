@@ -178,7 +178,8 @@ class AtomicRoute:
             await self.load.release_attempt(late.request_id, late.owner, late.group)
         if late.block_hashes and not any(int(m) for m in res[1:1 + len(late.replicas)]):
             # it counted a new prefix in Redis, never mirrored here: the request's own
-            # decision (the fallback's) counted its placement where it went, if anywhere
+            # decision (the fallback's) counted its placement where it went, in this
+            # router's counts
             await self.load.unplaced(chosen, self.load.mean_request_life_s(), mirror=False)
         if moved:
             await self.index.forget_predicted(chosen, late.block_hashes[matched:],

@@ -406,10 +406,11 @@ class RoutingCore:
         chosen = decision.replica
         uncached = max(inp.prompt_tokens - decision.predicted_cached_tokens.get(chosen, 0), 0)
         await self.load.reserve(inp.request_id, chosen, uncached)
-        # a fallback decision counts too (locally when Redis is down): its policy weighed
-        # the new-prefix term on the same counts
+        # a fallback decision counts too, in this router's own counts (those it read; no
+        # call that would wait for a failing store): its policy weighed the new-prefix term
         if policy.counts_placements and new_prefix(req, candidates):
-            await self.load.placed(chosen, req.placement_window_s, inp.request_id)
+            await self.load.placed(chosen, req.placement_window_s, inp.request_id,
+                                   local_only=index_failed)
         if cache_aware and not index_failed:
             chosen_info = next(r for r in pool if r.replica_id == chosen)
             await self.record(chosen, inp.block_hashes, self.predicted_ttl_s(chosen_info))
