@@ -185,7 +185,7 @@ async def test_a_placement_follows_its_request_and_is_forgotten_at_its_release(l
     (across shard groups too: ``A`` and ``C`` lie in different groups on the cluster)."""
     await load.reserve("q", "A", 10)
     await load.placed("A", 5.0, "q")
-    assert load.placement_of("q") == "A"
+    assert load.placement_of("q") == ("A", True)
     await load.placement_moved("q", "C", 5.0)
     assert (await _load(load, "A")).placements == 0.0
     assert (await _load(load, "C")).placements == pytest.approx(1.0)
@@ -200,17 +200,36 @@ async def test_a_placement_follows_its_request_and_is_forgotten_at_its_release(l
     assert load.placement_of("q") is None
     await load.placement_moved("q", "A", 5.0)  # released: nothing follows it any more
     assert (await _load(load, "A")).placements == 0.0
+    # a replica that left takes its placements' records along: no later move writes it back
+    await load.reserve("r", "A", 10)
+    await load.placed("A", 5.0, "r")
+    await load.remove_replica("A")
+    assert load.placement_of("r") is None
+    await load.placement_moved("r", "C", 5.0)
+    assert (await _load(load, "C")).placements == 0.0
+    await load.release("r")
 
 
 async def test_a_placement_counted_while_the_store_fails_stays_in_this_routers_counts(load):
     """``placed(local_only=True)`` (a decision made while the index fails): counted in the
     router's own counts, with no call to the shared store that would wait once more."""
+    shared = not isinstance(load, MemoryLoadTracker)
+    await load.placed("A", 5.0)  # another router's count, shared
     await load.placed("A", 5.0, "q", local_only=True)
-    assert load.placement_of("q") == "A"
-    local = load if isinstance(load, MemoryLoadTracker) else load.local
-    assert local.loads_now(["A"])["A"].placements == pytest.approx(1.0)
-    if not isinstance(load, MemoryLoadTracker):
-        assert (await _load(load, "A")).placements == 0.0  # Redis was not written
+    assert load.placement_of("q") == ("A", not shared)
+    local = load if not shared else load.local
+    assert local.loads_now(["A"])["A"].placements == pytest.approx(2.0)
+    if shared:
+        assert (await _load(load, "A")).placements == pytest.approx(1.0)  # not written
+    # the request goes elsewhere: its count moves in this router's counts only, and the
+    # shared one, another router's, stays
+    await load.placement_moved("q", "C", 5.0)
+    assert load.placement_of("q") == ("C", not shared)
+    assert local.loads_now(["A", "C"])["A"].placements == pytest.approx(1.0)
+    assert local.loads_now(["C"])["C"].placements == pytest.approx(1.0)
+    if shared:
+        assert (await _load(load, "A")).placements == pytest.approx(1.0)
+        assert (await _load(load, "C")).placements == 0.0
 
 
 async def test_mean_request_life_counts_the_requests_still_in_flight():

@@ -447,6 +447,36 @@ async def test_a_route_script_that_answers_late_has_its_prediction_moved_to_the_
     await conn.close()
 
 
+async def test_a_late_route_script_that_chose_the_requests_replica_keeps_its_count(own_redis):
+    """A new prefix, one replica: the late script and the fallback both place it there. The
+    script's shared count stays (the placement happened), and this router takes it as the
+    request's in place of the fallback's own local count: one count, shared, both in Redis
+    and here; the request's later move takes it along."""
+    import redis as sync_redis
+    from router.routing import core as core_module
+
+    ns = "t"
+    settings, conn, index, load, core = _late_setup(own_redis, ns)
+    admin = sync_redis.Redis.from_url(own_redis.url)
+    hashes = list(range(5000, 5020))
+    admin.execute_command("CLIENT", "PAUSE", 300, "WRITE")
+    d = await core.decide("q1", len(hashes) * 32, hashes, [ReplicaInfo("a", {}, {})])
+    assert (d.replica, d.reason) == ("a", "fallback")
+    assert load.placement_of("q1") == ("a", False)  # the fallback's, local only
+    await _settled(core_module)
+    # counts decay over the mean request life, here the 0.3 s of the pause: one count
+    # each, decayed (two would be above 1, none 0)
+    assert 0.2 < float(admin.hget(f"{ns}:load", "a:k")) <= 1.0
+    assert 0.0 < load.local.loads_now(["a"])["a"].placements <= 1.0
+    assert load.placement_of("q1") == ("a", True)
+    await core.moved("q1", ReplicaInfo("b", {}, {}), len(hashes) * 32, hashes, 0)
+    assert float(admin.hget(f"{ns}:load", "a:k")) == 0.0
+    assert float(admin.hget(f"{ns}:load", "b:k")) == pytest.approx(1.0)
+    await load.release("q1")
+    await load.close()
+    await conn.close()
+
+
 async def test_a_late_route_script_of_a_request_that_went_nowhere_leaves_no_lease(own_redis):
     """A route script that ran after its decision had failed (here the fallback's policy
     raised; a cancelled request is the same) holds a lease that no release of the request

@@ -92,26 +92,31 @@ class LoadTracker(ABC):
         made while the shared store fails: no call that would wait for it). Never raises:
         a count that could not be written only weakens the spread of new prefixes."""
 
-    async def unplaced(self, replica: str, window_s: float, mirror: bool = True) -> None:
+    async def unplaced(self, replica: str, window_s: float, mirror: bool = True,
+                       local_only: bool = False) -> None:
         """One placement less on ``replica`` (its decayed count less one, never below 0): a
         placement counted where its request did not go. ``mirror``: in this router's own
-        counts too (false for a count only the shared store has, a late route script's).
-        Never raises."""
+        counts too (false for a count only the shared store has, a late route script's);
+        ``local_only``: in those only (a count the shared store never had). Never raises."""
 
-    def placement_of(self, request_id: str) -> str | None:
-        """The replica ``request_id``'s new-prefix placement was counted on (``placed``
-        with its id, or a route script's that this router adopted), until its release."""
+    def placement_of(self, request_id: str) -> tuple[str, bool] | None:
+        """Where ``request_id``'s new-prefix placement was counted (``placed`` with its
+        id, or a route script's that this router adopted), until its release:
+        ``(replica, shared)``, ``shared`` false for a count kept in this router's own counts
+        only (``local_only``)."""
         return None
 
     async def placement_moved(self, request_id: str, replica: str, window_s: float) -> None:
         """``request_id`` went to ``replica``, not where its decision counted its new
         prefix (a session's first turn joining another router's pin, Serve choosing
-        another replica): the count follows it. Nothing when it placed none, or there."""
-        old = self.placement_of(request_id)
-        if old is None or old == replica:
+        another replica): the count follows it, where it was kept (shared, or this
+        router's own only). Nothing when it placed none, or there."""
+        held = self.placement_of(request_id)
+        if held is None or held[0] == replica:
             return
-        await self.unplaced(old, window_s)
-        await self.placed(replica, window_s, request_id)
+        old, shared = held
+        await self.unplaced(old, window_s, local_only=not shared)
+        await self.placed(replica, window_s, request_id, local_only=not shared)
 
     def mean_request_life_s(self) -> float:
         """Mean seconds from reservation to release of this process's requests (about

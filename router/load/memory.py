@@ -30,7 +30,8 @@ class MemoryLoadTracker(LoadTracker):
         self._area = 0.0
         self._releases = 0.0
         self._area_at: float | None = None
-        self._placed_by: dict[str, str] = {}  # request id -> replica its placement is on
+        # request id -> (replica its placement is on, whether a shared store has it too)
+        self._placed_by: dict[str, tuple[str, bool]] = {}
 
     def loads_now(self, replicas: Sequence[str]) -> dict[str, ReplicaLoad]:
         with self._lock:
@@ -110,24 +111,26 @@ class MemoryLoadTracker(LoadTracker):
         self.release_now(request_id)
 
     def placed_now(self, replica: str, window_s: float, request_id: str | None = None,
-                   delta: float = 1.0) -> None:
-        """``placed`` (``delta`` -1: ``unplaced``), at once."""
+                   delta: float = 1.0, shared: bool = True) -> None:
+        """``placed`` (``delta`` -1: ``unplaced``), at once; ``shared``: recorded with the
+        request's placement (``placement_of``) for a tracker that mirrors a shared one."""
         now = self.clock.now()
         with self._lock:
             load = self._load.setdefault(replica, ReplicaLoad())
             load.placements = max(decayed_placements(load, now, window_s) + delta, 0.0)
             load.placements_at_s = now
             if request_id is not None:
-                self._placed_by[request_id] = replica
+                self._placed_by[request_id] = (replica, shared)
 
     async def placed(self, replica: str, window_s: float,
                      request_id: str | None = None, local_only: bool = False) -> None:
         self.placed_now(replica, window_s, request_id)
 
-    async def unplaced(self, replica: str, window_s: float, mirror: bool = True) -> None:
+    async def unplaced(self, replica: str, window_s: float, mirror: bool = True,
+                       local_only: bool = False) -> None:
         self.placed_now(replica, window_s, delta=-1.0)
 
-    def placement_of(self, request_id: str) -> str | None:
+    def placement_of(self, request_id: str) -> tuple[str, bool] | None:
         with self._lock:
             return self._placed_by.get(request_id)
 
@@ -150,6 +153,9 @@ class MemoryLoadTracker(LoadTracker):
             self._integrate_locked(self.clock.now())
             for rid in [k for k, v in self._res.items() if v.replica == replica]:
                 del self._res[rid]
+            # placements on it are gone with it: a later move must not write it back
+            for rid in [k for k, (r, _) in self._placed_by.items() if r == replica]:
+                del self._placed_by[rid]
             self._load.pop(replica, None)
 
     def total_inflight(self) -> int:

@@ -440,16 +440,18 @@ class RedisLoadTracker(LoadTracker):
         Redis fails) and, unless ``local_only``, in Redis (``lua/lease.lua``'s ``placed``,
         in the replica's group); a failed write leaves Redis's count as it is (Redis's
         failure is reported where the loads are read)."""
-        self.local.placed_now(replica, window_s, request_id)
+        self.local.placed_now(replica, window_s, request_id, shared=not local_only)
         if not local_only:
             await self._placement_op("placed", replica, window_s)
 
-    async def unplaced(self, replica: str, window_s: float, mirror: bool = True) -> None:
-        """``LoadTracker.unplaced`` in Redis (``lua/lease.lua``'s ``unplaced``) and, with
-        ``mirror``, in the local mirror."""
+    async def unplaced(self, replica: str, window_s: float, mirror: bool = True,
+                       local_only: bool = False) -> None:
+        """``LoadTracker.unplaced`` in Redis (``lua/lease.lua``'s ``unplaced``) unless
+        ``local_only``, and, with ``mirror``, in the local mirror."""
         if mirror:
             self.local.placed_now(replica, window_s, delta=-1.0)
-        await self._placement_op("unplaced", replica, window_s)
+        if not local_only:
+            await self._placement_op("unplaced", replica, window_s)
 
     async def _placement_op(self, op: str, replica: str, window_s: float) -> None:
         keys = self.group_keys(self.groups.group_of(replica))
@@ -460,13 +462,17 @@ class RedisLoadTracker(LoadTracker):
         except IndexUnavailable as exc:
             logger.debug("new-prefix %s on %s not written to Redis: %s", op, replica, exc)
 
-    def placement_of(self, request_id: str) -> str | None:
+    def placement_of(self, request_id: str) -> tuple[str, bool] | None:
         return self.local.placement_of(request_id)
 
-    def adopt_placement(self, request_id: str, replica: str, window_s: float) -> None:
-        """A route script counted ``request_id``'s new prefix on ``replica`` in Redis
-        (``AtomicRoute``): mirror it locally, as the request's placement."""
-        self.local.placed_now(replica, window_s, request_id)
+    def adopt_placement(self, request_id: str | None, replica: str, window_s: float) -> None:
+        """A route script counted a new prefix on ``replica`` in Redis (``AtomicRoute``):
+        mirror it locally, as ``request_id``'s placement (None: as no request's, one that
+        has ended). A count of it this router kept in its own counts only (the fallback's,
+        ``local_only``) is that one, now shared: not counted twice."""
+        held = self.local.placement_of(request_id) if request_id is not None else None
+        self.local.placed_now(replica, window_s, request_id,
+                              delta=0.0 if held == (replica, False) else 1.0)
 
     def mean_request_life_s(self) -> float:
         return self.local.mean_request_life_s()

@@ -147,9 +147,11 @@ class AtomicRoute:
           reservation, which it released: the load would count its replica, not the
           request's). A later attempt's lease is never ended (``RedisLoadTracker.
           release_attempt``).
-        - Its new-prefix placement (a prompt no candidate held): taken back from the
-          replica it chose (``LoadTracker.unplaced``, in Redis only: it was never mirrored
-          here). The fallback's decision counted the request's own where it went.
+        - Its new-prefix placement (a prompt no candidate held): when it chose another
+          replica, taken back there (``LoadTracker.unplaced``, in Redis only: it was never
+          mirrored here; the fallback counted the request's own in this router's counts);
+          when it chose the request's replica, kept, and adopted here as the request's
+          placement (in place of the fallback's local count of it, if any).
 
         Caveat: a request decided between the script and this correction that followed
         its entries to its replica loses them there (``routed`` has them too, and the
@@ -177,10 +179,14 @@ class AtomicRoute:
         if moved or not self.load.holds(late.request_id):
             await self.load.release_attempt(late.request_id, late.owner, late.group)
         if late.block_hashes and not any(int(m) for m in res[1:1 + len(late.replicas)]):
-            # it counted a new prefix in Redis, never mirrored here: the request's own
-            # decision (the fallback's) counted its placement where it went, in this
-            # router's counts
-            await self.load.unplaced(chosen, self.load.mean_request_life_s(), mirror=False)
+            # it counted a new prefix in Redis, never mirrored here
+            window = self.load.mean_request_life_s()
+            if moved:  # not where the request went: taken back (the fallback's is local)
+                await self.load.unplaced(chosen, window, mirror=False)
+            else:  # where it went: it stays, and is the request's placement here too
+                self.load.adopt_placement(
+                    late.request_id if self.load.holds(late.request_id) else None,
+                    chosen, window)
         if moved:
             await self.index.forget_predicted(chosen, late.block_hashes[matched:],
                                               maintenance=True)
