@@ -785,21 +785,17 @@ def tables(rows: list[dict], bursts: list[dict], mean_tokens: float,
             f"tokens), streamed, 1 output token, {rows[0]['engines']} zero-time engines, {redis_desc}; "
             f"{rows[0]['window_s']:.0f} s window after a warm-up:\n\n" + "\n".join(t)) \
         if rows else "Closed-loop throughput: not measured here (`--burst-only`)."
-
     if bursts:
         b = ["| ingress processes | single request p50 (ms) | its router's own time p50 (ms) "
              "| 32 at once p50 / p99 (ms) | p99 / single | router's own time p50 / p99 (ms) "
              "| the rest p50 / p99 (ms) | failed |",
              "|---|---|---|---|---|---|---|---|"]
         for r in bursts:
-            own = r.get("single_routing_p50_ms")
-            rest = (f"{r['rest_p50_ms']:.1f} / {r['rest_p99_ms']:.1f}" if "rest_p50_ms" in r
-                    else "-")
             b.append(f"| {r['processes']} | {r['single_p50_ms']:.1f} | "
-                     f"{'-' if own is None else f'{own:.1f}'} | "
+                     f"{r['single_routing_p50_ms']:.1f} | "
                      f"{r['burst_p50_ms']:.1f} / {r['burst_p99_ms']:.1f} | {r['ratio']:.1f} | "
-                     f"{r['routing_p50_ms']:.1f} / {r['routing_p99_ms']:.1f} | {rest} | "
-                     f"{r['failed']} |")
+                     f"{r['routing_p50_ms']:.1f} / {r['routing_p99_ms']:.1f} | "
+                     f"{r['rest_p50_ms']:.1f} / {r['rest_p99_ms']:.1f} | {r['failed']} |")
         text += (f"\n\ndocs/fault-cases.md 10.1's burst through the same path: "
                  f"{bursts[0]['concurrency']} chat requests of {bursts[0]['tokens']:,} tokens "
                  f"(each its own system prompt) at once, {bursts[0]['rounds']} rounds, time to "

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from typing import Sequence
+from typing import Iterable, Sequence
 
 from router.index.redis import LateCall, RedisPrefixIndex
 from router.load.redis import RedisLoadTracker
@@ -123,7 +123,7 @@ class AtomicRoute:
         matched = {r: int(n) for r, n in zip(replicas, res[1:len(replicas) + 1])}
         cached = cached_tokens(matched[chosen], prompt_tokens, block_size)
         load.adopt(request_id, chosen, max(prompt_tokens - cached, 0))
-        if block_hashes and not any(matched.values()):  # the script placed a new prefix
+        if placed_new_prefix(block_hashes, matched.values()):
             load.adopt_placement(request_id, chosen, placement_window_s)
         if groups.tagged:
             self.first_level.observe(group, block_hashes, int(res[len(replicas) + 1]))
@@ -178,7 +178,7 @@ class AtomicRoute:
         moved = chosen != routed
         if moved or not self.load.holds(late.request_id):
             await self.load.release_attempt(late.request_id, late.owner, late.group)
-        if late.block_hashes and not any(int(m) for m in res[1:1 + len(late.replicas)]):
+        if placed_new_prefix(late.block_hashes, res[1:1 + len(late.replicas)]):
             # it counted a new prefix in Redis, never mirrored here
             window = self.load.mean_request_life_s()
             if moved:  # not where the request went: taken back (the fallback's is local)
@@ -194,6 +194,13 @@ class AtomicRoute:
                 await self.index.record_predicted(routed, late.block_hashes, routed_ttl_s,
                                                   maintenance=True)
         return "moved" if moved else "same"
+
+
+def placed_new_prefix(block_hashes: Sequence[int], matched: Iterable) -> bool:
+    """Whether a route script counted a new-prefix placement on its choice: blocks to
+    match and none held by any of its candidates (``matched``: their matched blocks, as the
+    script returns them), ``route.lua``'s ``new_prefix``."""
+    return bool(block_hashes) and not any(int(m) for m in matched)
 
 
 class LateRoute(LateCall):
