@@ -325,6 +325,7 @@ class Simulation:
         return [ReplicaInfo(n, _NO_METADATA, RoutingStats(
                     waiting=self.engines[n].num_waiting,
                     kv_usage_frac=self.engines[n].pool.usage,
+                    kv_capacity_tokens=self.cfg.engine.num_blocks * self.cfg.engine.block_size,
                     active_blocks=self.active_blocks[n])) for n in self.active]
 
     def _gpu_share(self, replica: str) -> int:

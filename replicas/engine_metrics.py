@@ -29,6 +29,7 @@ class EngineSnapshot:
     prefix_cache_hits_total: float = 0.0
     requests_finished_total: float = 0.0
     generation_tokens_total: float = 0.0
+    kv_capacity_tokens: int | None = None
 
     @property
     def computed_prompt_tokens_total(self) -> float:
@@ -50,13 +51,25 @@ _SAMPLES = {"vllm:prompt_tokens_total": "prompt_tokens_total",
 
 
 def parse_engine_metrics(text: str) -> EngineSnapshot:
-    """Parse vLLM's ``/metrics`` text; unknown or missing metrics stay 0."""
+    """Parse vLLM's ``/metrics`` text; unknown or missing metrics stay 0.
+
+    ``kv_capacity_tokens`` is read from the labels of ``vllm:cache_config_info`` (an info
+    gauge, one label set per engine: ``num_gpu_blocks x block_size`` summed over them;
+    ``vllm/v1/metrics/loggers.py`` ``log_metrics_info``); None when the engine does not
+    publish it or its labels are not numbers."""
     snap = EngineSnapshot()
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             attr = _GAUGES.get(sample.name) or _SAMPLES.get(sample.name)
             if attr:
                 setattr(snap, attr, getattr(snap, attr) + sample.value)
+            elif sample.name == "vllm:cache_config_info":
+                try:
+                    tokens = (int(sample.labels["num_gpu_blocks"])
+                              * int(sample.labels["block_size"]))
+                except (KeyError, ValueError):
+                    continue
+                snap.kv_capacity_tokens = (snap.kv_capacity_tokens or 0) + tokens
     return snap
 
 

@@ -87,6 +87,7 @@ class EngineWatch:
             prefill_tokens_per_s=self.rate.update(snap), prefill_rate_measured=self.rate.measured,
             **({"kv_events_live": False} | events), engine_pid=engine_pid,
             running=snap.running, waiting=snap.waiting, kv_usage_frac=snap.kv_usage_frac,
+            kv_capacity_tokens=snap.kv_capacity_tokens,
             engine_alive=engine_alive, restarts=restarts,
             output_tokens_total=snap.generation_tokens_total,
             requests_finished_total=snap.requests_finished_total)

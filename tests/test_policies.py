@@ -82,6 +82,36 @@ def test_prefix_aware_leaves_a_warm_replica_whose_queue_costs_more_than_the_hit_
     assert p.choose(req(1000), cands).replica == "b"
 
 
+def test_prefix_aware_charges_the_kv_a_request_cannot_fit():
+    """A miss of 6,000 tokens with 400 output tokens expected: "a" has 2,000 tokens of KV
+    free, "b" has room but a request in flight. Without the KV state "a" (idle) wins; with
+    it "a" is charged the 4,400 tokens that will not fit, recomputed or waited for
+    (``PrefixAware.kv_overflow_tokens``), and "b" wins. A hit that fits stays put."""
+    p = PrefixAware(random.Random(0))
+    r = RouteRequest(6000, BS, 6000 // BS, expected_output_tokens=400)
+    unknown = [Candidate("a"), Candidate("b", load=ReplicaLoad(inflight=1))]
+    assert p.choose(r, unknown).replica == "a"
+    full = [Candidate("a", kv_capacity_tokens=100_000, kv_usage_frac=0.98),
+            Candidate("b", load=ReplicaLoad(inflight=1), kv_capacity_tokens=100_000,
+                      kv_usage_frac=0.5)]
+    assert p.kv_overflow_tokens(r, full[0]) == pytest.approx(6000 + 400 - 2000)
+    assert p.kv_overflow_tokens(r, full[1]) == 0
+    assert p.choose(r, full).replica == "b"
+    # queued prefill routed there takes its share of the free KV first
+    queued = Candidate("b", load=ReplicaLoad(prefill_tokens=49_000), kv_capacity_tokens=100_000,
+                       kv_usage_frac=0.0)
+    assert p.kv_overflow_tokens(r, queued) == 0
+    over = Candidate("b", load=ReplicaLoad(prefill_tokens=99_000), kv_capacity_tokens=100_000,
+                     kv_usage_frac=0.0)
+    assert p.kv_overflow_tokens(r, over) == 6000 + 400 - 1000
+    held = [Candidate("a", matched_blocks=180, kv_capacity_tokens=100_000, kv_usage_frac=0.98),
+            Candidate("b", kv_capacity_tokens=100_000, kv_usage_frac=0.0)]
+    assert p.choose(RouteRequest(5800, BS, 5800 // BS, expected_output_tokens=400),
+                    held).replica == "a"
+    p.kv_pressure = 0.0
+    assert p.choose(r, full).replica == "a"
+
+
 async def test_misses_are_decided_by_load_not_by_cache_size():
     """docs/fault-cases.md 1.1: new prompts go to the idle replica holding a big cache, not to the
     busy replica whose index entry is small."""

@@ -95,6 +95,47 @@ async def test_lua_route_chooses_as_the_python_policy(redis_pair):
         await load.release(f"req{trial}")
 
 
+async def test_lua_charges_kv_that_will_not_fit_as_the_python_policy(redis_pair):
+    """The KV term (``PrefixAware.kv_overflow_tokens``): engines with little free KV, some
+    of unknown state; the script and the policy choose alike, and the term changes the
+    choice in some trials (so this test fails if the script leaves it out)."""
+    index, load, clock = redis_pair
+    rng = random.Random(5)
+    replicas = ["r0", "r1", "r2", "r3"]
+    moved = 0
+    for trial in range(40):
+        prefix = [7 * 10**8 + trial * 1000 + i for i in range(rng.randrange(4, 200))]
+        for r in replicas:
+            k = rng.randrange(0, len(prefix) + 1)
+            if k:
+                await index.apply_events(r, [KVEvent("stored", prefix[:k], None)])
+            for i in range(rng.randrange(0, 2)):
+                await load.reserve(f"kbg{trial}-{r}-{i}", r, rng.randrange(0, 800))
+        prompt = len(prefix) * BS + rng.randrange(0, 40)
+        out = rng.randrange(0, 60)
+        capacity = {r: rng.choice([None, 2048, 8192, 65536]) for r in replicas}
+        usage = {r: rng.choice([None, 0.2, 0.9, 1.0]) for r in replicas}
+        u = rng.random()
+        policy = PrefixAware(random.Random())
+        policy.rng.random = lambda: u
+        loads = await load.loads(replicas)
+        matched = await index.lookup(prefix, replicas)
+        cands = [Candidate(r, matched[r], loads[r], 20000.0, 0.005, kv_usage_frac=usage[r],
+                           kv_capacity_tokens=capacity[r]) for r in replicas]
+        req = RouteRequest(prompt, BS, len(prefix), expected_output_tokens=out)
+        expected = policy.choose(req, cands).replica
+        policy.kv_pressure = 0.0
+        moved += policy.choose(req, cands).replica != expected
+        policy.kv_pressure = 1.0
+        chosen, _ = await AtomicRoute(index, load).route(
+            f"kreq{trial}", prompt, prefix, replicas, [15.0] * 4, **route_kwargs(policy, u),
+            expected_output_tokens=out, kv_pressure=1.0,
+            kv_free_tokens=[c.kv_free_tokens for c in cands])
+        assert chosen == expected, (trial, matched, loads, capacity, usage)
+        await load.release(f"kreq{trial}")
+    assert moved >= 3
+
+
 async def test_lua_places_a_new_prefix_as_the_python_policy(redis_pair):
     """A prefix no replica holds: both count the candidates' decaying new-prefix
     placements alike (``PrefixAware.expected_inflight``), choose alike, and the choice's

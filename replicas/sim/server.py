@@ -370,9 +370,12 @@ class SimServer:
             f"vllm:request_prefill_time_seconds_sum{labels} {e.prefill_time_sum_s}",
             f"vllm:request_prefill_time_seconds_count{labels} {e.prompt_tokens_total and 1}",
             f"vllm:request_success_total{labels} {e.requests_finished_total}",
+            # vLLM's info gauge of its CacheConfig (the fields the router reads)
+            f'vllm:cache_config_info{{block_size="{e.config.block_size}",engine="0",'
+            f'num_gpu_blocks="{e.config.num_blocks}"}} 1.0',
         ]
         types = {"vllm:num_requests_running": "gauge", "vllm:num_requests_waiting": "gauge",
-                 "vllm:kv_cache_usage_perc": "gauge"}
+                 "vllm:kv_cache_usage_perc": "gauge", "vllm:cache_config_info": "gauge"}
         out = [f"# TYPE {n} {t}" for n, t in types.items()] + lines
         return "\n".join(out) + "\n"
 

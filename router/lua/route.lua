@@ -25,9 +25,11 @@
 --   refreshed with the reservation so that no lease exists without a live heartbeat
 --   (another router's sweep would otherwise release a new router's first leases),
 --   18 max_inflight (the admission bound caps the bounded load; 0: none), 19 running_weight,
---   20 interference, 21 expected output tokens, 22 placement window (ms) (PrefixAware's
---   parameters and RouteRequest.expected_output_tokens and placement_window_s), then per
---   candidate its predicted TTL (ms), then the n candidate ids
+--   20 interference, 21 expected output tokens, 22 placement window (ms), 23 kv_pressure
+--   (PrefixAware's parameters and RouteRequest.expected_output_tokens and
+--   placement_window_s), then per candidate its predicted TTL (ms), then per candidate
+--   its engine's free KV tokens (Candidate.kv_free_tokens; -1: unknown), then the n
+--   candidate ids
 -- Returns: {chosen index (1-based, 0 in lookup mode), matched blocks per candidate...}, and
 --   in route mode one more value: the candidates' requests in flight after the reservation
 --   (the first level of the shard groups' choice reads it: router/routing/groups.py)
@@ -78,7 +80,7 @@ local function held_prefix(xkey, pkey, half)
   end
   return nblocks, exact or nblocks, fresh or nblocks
 end
-local F = 22  -- route mode: fixed arguments before the per-candidate ones (TTLs, then ids)
+local F = 23  -- route mode: fixed arguments before the per-candidate ones (TTLs, free KV, ids)
 local matched, exact_run, fresh_run = {}, {}, {}
 for j = 1, nc do
   local half = mode == 'route' and now + tonumber(ARGV[F + j]) / 2 or now
@@ -101,10 +103,12 @@ local max_inflight = tonumber(ARGV[18])
 local running_weight = tonumber(ARGV[19]); local interference = tonumber(ARGV[20])
 local out_tokens = tonumber(ARGV[21])
 local window = tonumber(ARGV[22])
-local cands, ttls = {}, {}
+local kv_pressure = tonumber(ARGV[23])
+local cands, ttls, kv_free = {}, {}, {}
 for j = 1, nc do
   ttls[j] = tonumber(ARGV[F + j])
-  cands[j] = ARGV[F + nc + j]
+  kv_free[j] = tonumber(ARGV[F + nc + j])
+  cands[j] = ARGV[F + 2 * nc + j]
 end
 local replicas_set = KEYS[2 * nc + 1]; local load = KEYS[2 * nc + 2]
 local leases = KEYS[2 * nc + 3]; local heartbeat = KEYS[2 * nc + 4]
@@ -175,6 +179,11 @@ for j = 1, nc do
   local m = expected[j]
   cost[j] = work / rate + steps * dstep * nr + (ww + running_weight * m) * unc / rate
             + interference * 2 * dstep * out_tokens * m
+  -- its KV that will not fit (PrefixAware.kv_overflow_tokens)
+  if kv_free[j] >= 0 then
+    local over = math.max(unc + out_tokens - math.max(kv_free[j] - math.max(q, 0), 0), 0)
+    cost[j] = cost[j] + kv_pressure * (1 + ww + m) * over / rate
+  end
 end
 -- bounded load: candidates that would exceed the bound are passed over while any is within
 local mean = (total + 1) / nc

@@ -28,6 +28,8 @@ class Candidate:
         decode_step_s_per_seq: added step time per running sequence (s), from the engine
             profile (H200 fit of a 7B model: 7.85 µs, ``replicas/sim/profiles``).
         kv_usage_frac: the engine's KV cache usage (0..1) if known.
+        kv_capacity_tokens: the engine's KV cache size in tokens (``num_gpu_blocks x
+            block_size`` of ``vllm:cache_config_info``) if known.
         healthy_penalty_s: extra cost for a replica recently failing requests (circuit
             breaker); ``math.inf`` when open.
         waiting: the engine's waiting queue (``vllm:num_requests_waiting``), for llm-d.
@@ -41,9 +43,25 @@ class Candidate:
     prefill_tokens_per_s: float = 20000.0
     decode_step_s_per_seq: float = 7.85e-6
     kv_usage_frac: float | None = None
+    kv_capacity_tokens: int | None = None
     healthy_penalty_s: float = 0.0
     waiting: int = 0
     active_blocks: int = 0
+
+    @property
+    def kv_free_tokens(self) -> float | None:
+        """The engine's free KV cache (tokens; ``kv_free_tokens``)."""
+        return kv_free_tokens(self.kv_capacity_tokens, self.kv_usage_frac)
+
+
+def kv_free_tokens(capacity_tokens: int | None, usage_frac: float | None) -> float | None:
+    """KV cache an engine has free (tokens): ``capacity_tokens x (1 - usage_frac)``, the
+    usage clamped to [0, 1]; None when either is unknown. vLLM's usage
+    (``vllm:kv_cache_usage_perc``, ``BlockPool.get_usage``) counts the blocks running
+    requests hold; cached blocks no request holds are free (reusing one evicts it)."""
+    if capacity_tokens is None or usage_frac is None:
+        return None
+    return capacity_tokens * (1.0 - min(max(usage_frac, 0.0), 1.0))
 
 
 @dataclass

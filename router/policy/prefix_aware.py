@@ -35,6 +35,7 @@ class PrefixAware(Policy):
         cost_r     = ttft_r                                   # its own first token
                    + (work_weight + n_r) * uncached_r / R     # its prefill, borne by others
                    + 2 * c * D * n_r                          # its decode beside theirs
+                   + (1 + work_weight + n_r) * over_r / R     # its KV that will not fit
                    + penalty_r
 
     * ``ttft_r``: the prefill work ahead of it plus its own uncached tokens, plus what the
@@ -52,6 +53,20 @@ class PrefixAware(Policy):
       hot prefix: a replica keeps it while the prefill the hit saves outweighs the decode
       interference of its extra requests, judged per request with the engine's own step
       profile, not at a fixed imbalance.
+    * Its KV that will not fit: the request needs ``uncached_r + D`` tokens of KV cache
+      (its uncached prompt, then its output); the engine has ``free_r`` (``C_r x (1 -
+      usage_r)``: ``num_gpu_blocks x block_size`` of ``vllm:cache_config_info`` and
+      ``vllm:kv_cache_usage_perc``), of which the ``queued_r`` prefill tokens routed
+      there will take their share first. ``over_r = max(uncached_r + D - max(free_r -
+      queued_r, 0), 0)`` tokens do not fit: vLLM's V1 scheduler then keeps a waiting
+      request waiting (no blocks, no admission) or, for a running one, preempts the
+      latest admitted and recomputes it later (``Scheduler.schedule``, preemption by
+      recompute). Either way about ``over_r`` tokens are computed again or waited for,
+      charged as that much prefill: borne by the request, by the ``n_r`` running beside
+      it and by the next arrival, as its own prefill is. Unknown KV state (an engine not
+      scraped yet) charges nothing; with room to spare it is 0. Not counted: the KV the
+      running decodes will still add (counting ``n_r x D`` more did not do better on
+      the pressure case, docs/benchmarks.md).
 
     A new prefix (no candidate holds even its first block, ``new_prefix``) brings more
     than itself: its later requests will follow it to the replica chosen now. Nothing is
@@ -72,8 +87,9 @@ class PrefixAware(Policy):
 
     The three terms are sums of seconds over the requests concerned (one user's first
     token, many users' inter-token gaps), so the policy minimises the total latency the
-    decision adds. ``running_weight`` and ``interference`` scale the second and third terms
-    (1: as stated; 0: without, for the benchmark's ablation only).
+    decision adds. ``running_weight``, ``interference`` and ``kv_pressure`` scale the
+    second, third and fourth terms (1: as stated; 0: without, for the benchmark's ablation
+    only).
 
     Candidates within ``tie_rel`` (relative) or ``tie_abs_s`` of the best cost are near-ties:
     among them the replica with the most cached tokens, then the fewest requests in flight,
@@ -105,8 +121,9 @@ class PrefixAware(Policy):
                  tie_rel: float = 0.05, step_token_budget: int = 2048,
                  work_weight: float = 1.0, load_factor: float | None = None,
                  max_inflight: int | None = None, running_weight: float = 1.0,
-                 interference: float = 1.0):
+                 interference: float = 1.0, kv_pressure: float = 1.0):
         super().__init__(rng)
+        self.kv_pressure = kv_pressure
         self.max_inflight = max_inflight
         self.tie_abs_s = tie_abs_s
         self.tie_rel = tie_rel
@@ -163,7 +180,20 @@ class PrefixAware(Policy):
                 * self._uncached(request, c) / c.prefill_tokens_per_s
                 + self.interference * 2 * c.decode_step_s_per_seq
                 * request.expected_output_tokens * m
+                + self.kv_pressure * (1 + self.work_weight + m)
+                * self.kv_overflow_tokens(request, c) / c.prefill_tokens_per_s
                 + c.healthy_penalty_s)
+
+    def kv_overflow_tokens(self, request: RouteRequest, c: Candidate) -> float:
+        """Tokens of this request's KV that will not fit on candidate ``c`` (tokens):
+        ``max(uncached_r + D - max(free_r - queued_r, 0), 0)``, with ``free_r`` the
+        engine's free KV (``Candidate.kv_free_tokens``); 0 when the engine's KV state is
+        unknown. The class docstring says what they cost."""
+        free = c.kv_free_tokens
+        if free is None:
+            return 0.0
+        need = self._uncached(request, c) + request.expected_output_tokens
+        return max(need - max(free - max(c.load.prefill_tokens, 0), 0.0), 0.0)
 
     @staticmethod
     def _uncached(request: RouteRequest, c: Candidate) -> int:

@@ -64,7 +64,9 @@ class AtomicRoute:
                     max_inflight: int | None = None, running_weight: float = 0.0,
                     interference: float = 0.0,
                     expected_output_tokens: float = 0.0,
-                    placement_window_s: float = 0.0) -> tuple[str, dict[str, int]]:
+                    placement_window_s: float = 0.0, kv_pressure: float = 0.0,
+                    kv_free_tokens: Sequence[float | None] | None = None,
+                    ) -> tuple[str, dict[str, int]]:
         """Choose among ``replicas`` (non-empty) and reserve the choice's load.
 
         Args:
@@ -77,7 +79,10 @@ class AtomicRoute:
                 parameters of the same names.
             expected_output_tokens: ``RouteRequest.expected_output_tokens``.
             placement_window_s: ``RouteRequest.placement_window_s`` (s; the script
-                takes it in whole milliseconds).
+                takes it in fractional milliseconds).
+            kv_pressure: the ``PrefixAware`` parameter; kv_free_tokens: per replica, its
+                engine's free KV (tokens, ``Candidate.kv_free_tokens``; None: unknown,
+                no KV term). Default: all unknown.
             u: uniform in [0, 1), the final tie-break (the policy's rng draws it).
         Returns:
             (chosen replica, matched blocks per replica). With shard groups, the matched
@@ -95,8 +100,10 @@ class AtomicRoute:
             parts = groups.split(replicas)
             group = self.first_level.choose(block_hashes, parts, request_id)
             ttl_of = dict(zip(replicas, ttls_s))
+            free_of = dict(zip(replicas, kv_free_tokens or [None] * len(replicas)))
             replicas = parts[group]
             ttls_s = [ttl_of[r] for r in replicas]
+            kv_free_tokens = [free_of[r] for r in replicas]
             # a lease of this request in another group (Serve asked again) goes first
             await load.release_elsewhere(request_id, group)
             load.reserving(request_id, group)
@@ -109,7 +116,10 @@ class AtomicRoute:
                 work_weight, decode_step_s_per_seq, step_token_budget, tie_abs_s, tie_rel,
                 min(load_factor, 1e9), u, int(load.heartbeat_ttl_s * 1000),
                 int(max_inflight or 0), running_weight, interference, expected_output_tokens,
-                placement_window_s * 1000, *(int(t * 1000) for t in ttls_s), *replicas]
+                placement_window_s * 1000, kv_pressure, *(int(t * 1000) for t in ttls_s),
+                *(-1 if f is None else max(float(f), 0.0)
+                  for f in (kv_free_tokens or [None] * len(replicas))),
+                *replicas]
 
         async def run(client):
             return await load.scripts.of(client).route(keys=redis_keys, args=args)

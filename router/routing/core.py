@@ -32,7 +32,7 @@ from router.policy import (
     RouteRequest,
     cached_tokens,
 )
-from router.policy.base import new_prefix
+from router.policy.base import kv_free_tokens, new_prefix
 from router.routing.recent import RecentDecisions
 from router.routing.replica import ReplicaInfo, hash_mismatches
 
@@ -480,6 +480,7 @@ class RoutingCore:
                    "predicted_cached_tokens": decision.predicted_cached_tokens.get(rid),
                    "inflight": c.load.inflight if c else None,
                    "prefill_tokens_queued": c.load.prefill_tokens if c else None,
+                   "kv_free_tokens": c.kv_free_tokens if c else None,
                    "expected_ttft_s": decision.expected_ttft_s.get(rid)}
             if cost is not None and c is not None:
                 row["cost_s"] = cost(req, c, expected.get(rid))
@@ -496,7 +497,8 @@ class RoutingCore:
         return [Candidate(replica=r.replica_id, matched_blocks=matched.get(r.replica_id, 0),
                           load=loads[r.replica_id], prefill_tokens_per_s=rate,
                           decode_step_s_per_seq=self.settings.decode_step_s,
-                          kv_usage_frac=r.stats.kv_usage_frac, waiting=r.stats.waiting,
+                          kv_usage_frac=r.stats.kv_usage_frac,
+                          kv_capacity_tokens=r.stats.kv_capacity_tokens, waiting=r.stats.waiting,
                           active_blocks=r.stats.active_blocks)
                 for r in pool]
 
@@ -563,7 +565,10 @@ class RoutingCore:
             max_inflight=policy.max_inflight, running_weight=policy.running_weight,
             interference=policy.interference,
             expected_output_tokens=self.expected_output_tokens(pool),
-            placement_window_s=self.load.mean_request_life_s())
+            placement_window_s=self.load.mean_request_life_s(),
+            kv_pressure=policy.kv_pressure,
+            kv_free_tokens=[kv_free_tokens(r.stats.kv_capacity_tokens, r.stats.kv_usage_frac)
+                            for r in pool])
         self.index_available = True
         if before is not None:
             observed.append((self._route_request(inp, pool),

