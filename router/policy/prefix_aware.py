@@ -74,7 +74,7 @@ class PrefixAware(Policy):
     placed before it (the prior behind SGLang's and Ray Serve's rule of sending an
     unmatched prompt to the replica with the smallest cache tree), and a replica's share of
     the fleet's coming load is its share of the recent new-prefix placements. For such a
-    request the two terms that others bear use, instead of ``n_r``, the expected
+    request the terms that others bear use, instead of ``n_r``, the expected
     concurrency::
 
         k_r   = placements on r, decaying with time constant W, the routers' mean request
