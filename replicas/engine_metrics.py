@@ -37,8 +37,7 @@ class EngineSnapshot:
         return self.prefix_cache_queries_total - self.prefix_cache_hits_total
 
 
-_GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
-           "vllm:kv_cache_usage_perc": "kv_usage_frac"}
+_GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting"}
 _SAMPLES = {"vllm:prompt_tokens_total": "prompt_tokens_total",
             "vllm:prompt_tokens_cached_total": "prompt_tokens_cached_total",
             "vllm:request_prefill_time_seconds_sum": "prefill_time_sum_s",
@@ -53,23 +52,38 @@ _SAMPLES = {"vllm:prompt_tokens_total": "prompt_tokens_total",
 def parse_engine_metrics(text: str) -> EngineSnapshot:
     """Parse vLLM's ``/metrics`` text; unknown or missing metrics stay 0.
 
-    ``kv_capacity_tokens`` is read from the labels of ``vllm:cache_config_info`` (an info
-    gauge, one label set per engine: ``num_gpu_blocks x block_size`` summed over them;
-    ``vllm/v1/metrics/loggers.py`` ``log_metrics_info``); None when the engine does not
-    publish it or its labels are not numbers."""
+    Counts and totals are summed over the engines a server runs (its ``engine`` label:
+    data-parallel ranks). The KV cache's size is read from the labels of
+    ``vllm:cache_config_info`` (an info gauge, one label set per engine:
+    ``num_gpu_blocks x block_size`` tokens, summed; ``vllm/v1/metrics/loggers.py``
+    ``log_metrics_info``), None when an engine that reports its usage does not publish
+    it or its labels are not numbers (``num_gpu_blocks`` is ``"None"`` before the engine
+    has profiled its memory). ``kv_usage_frac`` is the engines' ``vllm:kv_cache_usage_perc``
+    averaged, weighted by their sizes when those are known: the share of the server's KV
+    in use."""
     snap = EngineSnapshot()
+    usage: dict[str, float] = {}
+    size: dict[str, int] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             attr = _GAUGES.get(sample.name) or _SAMPLES.get(sample.name)
+            engine = sample.labels.get("engine", "")
             if attr:
                 setattr(snap, attr, getattr(snap, attr) + sample.value)
+            elif sample.name == "vllm:kv_cache_usage_perc":
+                usage[engine] = usage.get(engine, 0.0) + sample.value
             elif sample.name == "vllm:cache_config_info":
                 try:
-                    tokens = (int(sample.labels["num_gpu_blocks"])
-                              * int(sample.labels["block_size"]))
+                    size[engine] = (int(sample.labels["num_gpu_blocks"])
+                                    * int(sample.labels["block_size"]))
                 except (KeyError, ValueError):
                     continue
-                snap.kv_capacity_tokens = (snap.kv_capacity_tokens or 0) + tokens
+    if size and all(e in size for e in usage):
+        snap.kv_capacity_tokens = sum(size.values())
+    if usage:
+        weights = {e: size.get(e, 1) if snap.kv_capacity_tokens else 1 for e in usage}
+        snap.kv_usage_frac = (sum(u * weights[e] for e, u in usage.items())
+                              / max(sum(weights.values()), 1))
     return snap
 
 
