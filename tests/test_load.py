@@ -210,6 +210,25 @@ async def test_a_placement_follows_its_request_and_is_forgotten_at_its_release(l
     await load.release("r")
 
 
+async def test_a_request_decided_again_takes_its_earlier_placement_back(load):
+    """``retract_placement``: the count a first decision made goes (where it was kept),
+    the record with it; a request with none, or retracted twice, changes nothing."""
+    await load.placed("C", 5.0)  # another request's
+    await load.retract_placement("nobody", 5.0)
+    await load.reserve("q", "A", 10)
+    await load.placed("A", 5.0, "q")
+    await load.retract_placement("q", 5.0)
+    assert load.placement_of("q") is None
+    assert (await _load(load, "A")).placements == 0.0
+    await load.retract_placement("q", 5.0)
+    await load.placed("A", 5.0, "r", local_only=True)  # a fallback's: its router's only
+    await load.retract_placement("r", 5.0)
+    local = load.local if hasattr(load, "local") else load
+    assert local.loads_now(["A"])["A"].placements == 0.0
+    assert (await _load(load, "C")).placements == pytest.approx(1.0)
+    await load.release("q")
+
+
 async def test_a_placement_counted_while_the_store_fails_stays_in_this_routers_counts(load):
     """``placed(local_only=True)`` (a decision made while the index fails): counted in the
     router's own counts, with no call to the shared store that would wait once more."""

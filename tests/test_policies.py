@@ -350,6 +350,20 @@ async def test_a_request_serve_sends_elsewhere_takes_its_new_prefix_count_along(
     assert loads[other].inflight == 1 and loads[d.replica].inflight == 0
 
 
+async def test_a_retry_decided_elsewhere_counts_its_new_prefix_once():
+    """The retry of a failed first attempt is decided again among the other replicas
+    (``route_request`` leaves the failed one out): the first decision's new-prefix count
+    goes, the retry's counts where it went, once in all."""
+    core, clock = make_core()
+    d = await core.decide("first", 20 * BS, hashes(5, 20), replicas("A", "B"))
+    other = "B" if d.replica == "A" else "A"
+    retry = await core.decide("first", 20 * BS, hashes(5, 20), replicas(other))
+    assert retry.replica == other
+    loads = await core.load.loads(["A", "B"])
+    assert loads[d.replica].placements == 0.0 and loads[other].placements == 1.0
+    assert core.load.placement_of("first") == (other, True)
+
+
 async def test_a_fallback_decision_counts_its_new_prefix_too():
     """With the index down the policy decides on this router's recent decisions, new-prefix
     term included: its placements are counted as well, or the term would read counts that

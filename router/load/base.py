@@ -118,6 +118,20 @@ class LoadTracker(ABC):
         await self.unplaced(old, window_s, local_only=not shared)
         await self.placed(replica, window_s, request_id, local_only=not shared)
 
+    async def retract_placement(self, request_id: str, window_s: float) -> None:
+        """``request_id`` is decided again (the retry of a failed first attempt, or Serve
+        asking again): the placement its earlier decision counted is taken back where it
+        was kept and forgotten, so that the request counts once, where its new decision
+        puts it. Nothing when it counted none (no call to the shared store then)."""
+        held = self.placement_of(request_id)
+        if held is None:
+            return
+        self._forget_placement(request_id)
+        await self.unplaced(held[0], window_s, local_only=not held[1])
+
+    def _forget_placement(self, request_id: str) -> None:
+        """Drop ``request_id``'s placement record (``placement_of``), counts unchanged."""
+
     def mean_request_life_s(self) -> float:
         """Mean seconds from reservation to release of this process's requests (about
         the last 1,000, those in flight included; 0 before any): the time constant of

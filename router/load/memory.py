@@ -134,6 +134,10 @@ class MemoryLoadTracker(LoadTracker):
         with self._lock:
             return self._placed_by.get(request_id)
 
+    def _forget_placement(self, request_id: str) -> None:
+        with self._lock:
+            self._placed_by.pop(request_id, None)
+
     def mean_request_life_s(self) -> float:
         """The mean request life (s) by Little's law, ``W = L / lambda``: the area under
         the in-flight count (request-seconds) over the releases in the same window, both

@@ -465,6 +465,9 @@ class RedisLoadTracker(LoadTracker):
     def placement_of(self, request_id: str) -> tuple[str, bool] | None:
         return self.local.placement_of(request_id)
 
+    def _forget_placement(self, request_id: str) -> None:
+        self.local._forget_placement(request_id)
+
     def adopt_placement(self, request_id: str | None, replica: str, window_s: float) -> None:
         """A route script counted a new prefix on ``replica`` in Redis (``AtomicRoute``):
         mirror it locally, as ``request_id``'s placement (None: as no request's, one that

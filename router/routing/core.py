@@ -158,7 +158,10 @@ class RoutingCore:
         recent decisions only (``RecentDecisions``) and no predicted entries are written.
         A route script that missed the deadline may still run: once it answers, what it
         did that the request did not follow is undone in the background
-        (``_settle_late``), whether or not this decision completed.
+        (``_settle_late``), whether or not this decision completed. A request decided
+        before (the retry of a failed attempt, Serve asking again) has the new-prefix
+        placement its earlier decision counted taken back first
+        (``LoadTracker.retract_placement``).
 
         A request of a session (``session``: its ``router.routing.sessions.session_key``)
         goes to the replica its session is pinned to while that replica is usable and not
@@ -186,6 +189,8 @@ class RoutingCore:
                          first_user_text, session)
         late: list = []  # the LateRoute of a route script that missed the deadline
         decision = None
+        # decided before (a retry, Serve asking again): its earlier new-prefix count goes
+        await self.load.retract_placement(request_id, self.load.mean_request_life_s())
         try:
             decision = await self._decide(inp, replicas, policy or self.policy, adapter, late)
             return decision
