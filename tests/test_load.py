@@ -272,3 +272,16 @@ async def test_mean_request_life_counts_the_requests_still_in_flight():
     clock.advance(1.0)
     await t.release("c")
     assert t.mean_request_life_s() == pytest.approx(7 / 3, rel=1e-2)
+
+
+async def test_two_moves_of_one_request_at_once_move_its_count_once(load):
+    """Two ``placement_moved`` of one request started together: one count leaves ``A``
+    and one arrives, not two."""
+    import asyncio
+    await load.reserve("q", "A", 10)
+    await load.placed("A", 5.0, "q")
+    await load.placed("A", 5.0)  # another request's
+    await asyncio.gather(load.placement_moved("q", "C", 5.0), load.placement_moved("q", "C", 5.0))
+    assert (await _load(load, "A")).placements == pytest.approx(1.0)
+    assert (await _load(load, "C")).placements == pytest.approx(1.0)
+    await load.release("q")

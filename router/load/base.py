@@ -115,6 +115,9 @@ class LoadTracker(ABC):
         if held is None or held[0] == replica:
             return
         old, shared = held
+        # forgotten before the first await: a second move of the same request meanwhile
+        # finds none to move (not one count taken twice)
+        self._forget_placement(request_id)
         await self.unplaced(old, window_s, local_only=not shared)
         await self.placed(replica, window_s, request_id, local_only=not shared)
 
