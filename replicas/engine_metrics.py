@@ -16,7 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 @dataclass
 class EngineSnapshot:
-    """Totals and gauges of one scrape (sums over the engine's label sets)."""
+    """Totals and gauges of one scrape (``parse_engine_metrics``): counts and totals
+    summed over the server's engines; ``kv_usage_frac`` their mean KV usage (0..1);
+    ``kv_capacity_tokens`` the server's KV size in tokens, None when unknown."""
 
     running: float = 0.0
     waiting: float = 0.0
@@ -54,36 +56,35 @@ def parse_engine_metrics(text: str) -> EngineSnapshot:
 
     Counts and totals are summed over the engines a server runs (its ``engine`` label:
     data-parallel ranks). The KV cache's size is read from the labels of
-    ``vllm:cache_config_info`` (an info gauge, one label set per engine:
-    ``num_gpu_blocks x block_size`` tokens, summed; ``vllm/v1/metrics/loggers.py``
-    ``log_metrics_info``), None when an engine that reports its usage does not publish
-    it or its labels are not numbers (``num_gpu_blocks`` is ``"None"`` before the engine
-    has profiled its memory). ``kv_usage_frac`` is the engines' ``vllm:kv_cache_usage_perc``
-    averaged, weighted by their sizes when those are known: the share of the server's KV
-    in use."""
+    ``vllm:cache_config_info``: ``num_gpu_blocks x block_size`` tokens. The front end
+    publishes one label set per engine, each with the server's whole block count (it sums
+    the engines' counts at start-up, ``vllm/v1/engine/core_client.py``: "Sum
+    num_gpu_blocks from all engines in DP case"; ``log_metrics_info`` in
+    ``vllm/v1/metrics/loggers.py``), so the size is that count, not the labels' sum. It is
+    None when the usage gauge or the info gauge is missing or its labels are not numbers
+    (``num_gpu_blocks`` is ``"None"`` before the engine has profiled its memory).
+    ``kv_usage_frac`` is the mean of the engines' ``vllm:kv_cache_usage_perc`` (engines of
+    one server are alike: equal shares of the count), 0 when none is published."""
     snap = EngineSnapshot()
     usage: dict[str, float] = {}
-    size: dict[str, int] = {}
+    size: int | None = None
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             attr = _GAUGES.get(sample.name) or _SAMPLES.get(sample.name)
-            engine = sample.labels.get("engine", "")
             if attr:
                 setattr(snap, attr, getattr(snap, attr) + sample.value)
             elif sample.name == "vllm:kv_cache_usage_perc":
+                engine = sample.labels.get("engine", "")
                 usage[engine] = usage.get(engine, 0.0) + sample.value
             elif sample.name == "vllm:cache_config_info":
                 try:
-                    size[engine] = (int(sample.labels["num_gpu_blocks"])
-                                    * int(sample.labels["block_size"]))
+                    size = max(size or 0, int(sample.labels["num_gpu_blocks"])
+                               * int(sample.labels["block_size"]))
                 except (KeyError, ValueError):
                     continue
-    if size and all(e in size for e in usage):
-        snap.kv_capacity_tokens = sum(size.values())
     if usage:
-        weights = {e: size.get(e, 1) if snap.kv_capacity_tokens else 1 for e in usage}
-        snap.kv_usage_frac = (sum(u * weights[e] for e, u in usage.items())
-                              / max(sum(weights.values()), 1))
+        snap.kv_usage_frac = sum(usage.values()) / len(usage)
+        snap.kv_capacity_tokens = size
     return snap
 
 

@@ -28,20 +28,24 @@ def test_the_kv_capacity_is_num_gpu_blocks_times_block_size():
     assert snap.kv_usage_frac == 0.25
 
 
-def test_two_engines_add_up_and_an_unset_block_count_is_unknown():
-    """Two data-parallel engines, one half full, one of twice its size empty: the server
-    holds 3 x 127,500 blocks of 16 tokens and a third of them is in use."""
+def test_two_engines_publish_the_servers_count_once_each_and_an_unset_count_is_unknown():
+    """Two data-parallel engines of 127,500 blocks each: vLLM's front end publishes the
+    summed count (255,000) under both engine labels; the server holds 255,000 blocks, and
+    with one engine half full and the other empty a quarter of them is in use."""
     info, usage = VLLM.split("# HELP vllm:kv_cache_usage_perc")
-    second = info.splitlines()[-1].replace('engine="0"', 'engine="1"').replace(
-        'num_gpu_blocks="127500"', 'num_gpu_blocks="255000"')
-    two = (info + second + "\n# HELP vllm:kv_cache_usage_perc" + usage.replace(" 0.25", " 0.5")
+    one = info.splitlines()[-1].replace('num_gpu_blocks="127500"', 'num_gpu_blocks="255000"')
+    two = (info.replace('num_gpu_blocks="127500"', 'num_gpu_blocks="255000"')
+           + one.replace('engine="0"', 'engine="1"') + "\n# HELP vllm:kv_cache_usage_perc"
+           + usage.replace(" 0.25", " 0.5")
            + 'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.0\n')
     snap = parse_engine_metrics(two)
-    assert snap.kv_capacity_tokens == 3 * 127500 * 16
-    assert abs(snap.kv_usage_frac - 0.5 / 3) < 1e-12
+    assert snap.kv_capacity_tokens == 255000 * 16
+    assert snap.kv_usage_frac == 0.25
     unset = VLLM.replace('num_gpu_blocks="127500"', 'num_gpu_blocks="None"')
     assert parse_engine_metrics(unset).kv_capacity_tokens is None
     assert parse_engine_metrics("").kv_capacity_tokens is None
+    no_usage = VLLM.split("# HELP vllm:kv_cache_usage_perc")[0]  # size alone: unknown
+    assert parse_engine_metrics(no_usage).kv_capacity_tokens is None
 
 
 def test_the_simulated_engine_publishes_its_kv_size_as_vllm_does():

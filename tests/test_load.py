@@ -214,13 +214,14 @@ async def test_a_request_decided_again_takes_its_earlier_placement_back(load):
     """``retract_placement``: the count a first decision made goes (where it was kept),
     the record with it; a request with none, or retracted twice, changes nothing."""
     await load.placed("C", 5.0)  # another request's
-    await load.retract_placement("nobody", 5.0)
+    assert load.retract_placement("nobody", 5.0) is None
     await load.reserve("q", "A", 10)
     await load.placed("A", 5.0, "q")
-    await load.retract_placement("q", 5.0)
-    assert load.placement_of("q") is None
+    undo = load.retract_placement("q", 5.0)
+    assert load.placement_of("q") is None  # forgotten at once
+    await undo
     assert (await _load(load, "A")).placements == 0.0
-    await load.retract_placement("q", 5.0)
+    assert load.retract_placement("q", 5.0) is None
     await load.placed("A", 5.0, "r", local_only=True)  # a fallback's: its router's only
     await load.retract_placement("r", 5.0)
     local = load.local if hasattr(load, "local") else load

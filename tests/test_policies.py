@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -359,6 +360,8 @@ async def test_a_retry_decided_elsewhere_counts_its_new_prefix_once():
     other = "B" if d.replica == "A" else "A"
     retry = await core.decide("first", 20 * BS, hashes(5, 20), replicas(other))
     assert retry.replica == other
+    from router.routing.core import _RELEASING
+    await asyncio.gather(*_RELEASING)  # the earlier count is taken back in the background
     loads = await core.load.loads(["A", "B"])
     assert loads[d.replica].placements == 0.0 and loads[other].placements == 1.0
     assert core.load.placement_of("first") == (other, True)
@@ -386,3 +389,14 @@ async def test_a_fallback_decision_counts_its_new_prefix_too():
     assert again.reason == "fallback"  # held by one (recent decisions): not new, not counted
     assert sum(v.placements for v in (await core.load.loads(["A", "B"])).values()) \
         == pytest.approx(sum(v.placements for v in loads.values()), rel=0.05)
+
+
+def test_a_kv_usage_that_is_not_a_number_is_unknown():
+    """An engine reporting NaN usage: its free KV is unknown (no KV term), the decision
+    still ranks it (a NaN cost would leave no candidate within the bound)."""
+    p = PrefixAware(random.Random(0))
+    cands = [Candidate("a", kv_capacity_tokens=1000, kv_usage_frac=float("nan")),
+             Candidate("b", load=ReplicaLoad(inflight=3))]
+    assert cands[0].kv_free_tokens is None
+    assert p.choose(RouteRequest(6000, BS, 6000 // BS, expected_output_tokens=400),
+                    cands).replica == "a"

@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Coroutine, Sequence
 
 
 @dataclass
@@ -121,16 +121,19 @@ class LoadTracker(ABC):
         await self.unplaced(old, window_s, local_only=not shared)
         await self.placed(replica, window_s, request_id, local_only=not shared)
 
-    async def retract_placement(self, request_id: str, window_s: float) -> None:
+    def retract_placement(self, request_id: str,
+                          window_s: float) -> Coroutine[Any, Any, None] | None:
         """``request_id`` is decided again (the retry of a failed first attempt, or Serve
-        asking again): the placement its earlier decision counted is taken back where it
-        was kept and forgotten, so that the request counts once, where its new decision
-        puts it. Nothing when it counted none (no call to the shared store then)."""
+        asking again): the placement its earlier decision counted is forgotten now, so
+        that the request counts once, where its new decision puts it, and the returned
+        coroutine takes its count back where it was kept (the caller may run it in the
+        background: a shared store's call then adds nothing to the decision's time). None
+        when it counted none."""
         held = self.placement_of(request_id)
         if held is None:
-            return
+            return None
         self._forget_placement(request_id)
-        await self.unplaced(held[0], window_s, local_only=not held[1])
+        return self.unplaced(held[0], window_s, local_only=not held[1])
 
     def _forget_placement(self, request_id: str) -> None:
         """Drop ``request_id``'s placement record (``placement_of``), counts unchanged."""

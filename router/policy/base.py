@@ -8,6 +8,7 @@ registry, one explicit table, is ``router.policy`` (``make_policy``).
 
 from __future__ import annotations
 
+import math
 import random
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -56,10 +57,11 @@ class Candidate:
 
 def kv_free_tokens(capacity_tokens: int | None, usage_frac: float | None) -> float | None:
     """KV cache an engine has free (tokens): ``capacity_tokens x (1 - usage_frac)``, the
-    usage clamped to [0, 1]; None when either is unknown. vLLM's usage
+    usage clamped to [0, 1]; None when either is unknown (a usage that is not a number,
+    NaN, is unknown too). vLLM's usage
     (``vllm:kv_cache_usage_perc``, ``BlockPool.get_usage``) counts the blocks running
     requests hold; cached blocks no request holds are free (reusing one evicts it)."""
-    if capacity_tokens is None or usage_frac is None:
+    if capacity_tokens is None or usage_frac is None or math.isnan(usage_frac):
         return None
     return capacity_tokens * (1.0 - min(max(usage_frac, 0.0), 1.0))
 

@@ -190,7 +190,9 @@ class RoutingCore:
         late: list = []  # the LateRoute of a route script that missed the deadline
         decision = None
         # decided before (a retry, Serve asking again): its earlier new-prefix count goes
-        await self.load.retract_placement(request_id, self.load.mean_request_life_s())
+        undo = self.load.retract_placement(request_id, self.load.mean_request_life_s())
+        if undo is not None:
+            _background(undo)
         try:
             decision = await self._decide(inp, replicas, policy or self.policy, adapter, late)
             return decision
@@ -449,8 +451,9 @@ class RoutingCore:
 
         Returns:
             ``{"policy", "choice", "reason", "prompt_tokens", "blocks", "candidates": [{
-            "replica", "usable", "drained", "compatible", "matched_blocks",
+            "replica", "usable", "drained", "candidate", "compatible", "matched_blocks",
             "predicted_cached_tokens", "inflight", "prefill_tokens_queued",
+            "kv_free_tokens" (the engine's free KV, tokens; None: unknown),
             "expected_ttft_s", "cost_s" (prefix_aware only)}]}``, candidates best first.
         Raises:
             IndexUnavailable: the index or the load could not be read.
