@@ -64,9 +64,14 @@ class PrefixAware(Policy):
       recompute). Either way about ``over_r`` tokens are computed again or waited for,
       charged as that much prefill: borne by the request, by the ``n_r`` running beside
       it and by the next arrival, as its own prefill is. Unknown KV state (an engine not
-      scraped yet) charges nothing; with room to spare it is 0. Not counted: the KV the
-      running decodes will still add (counting ``n_r x D`` more did not do better on
-      the pressure case, docs/benchmarks.md).
+      scraped yet) charges nothing; with room to spare it is 0. The hit's blocks are
+      taken to be held by running requests (then they are in the usage already); a hit
+      on cached blocks no request holds takes that many free blocks too (vLLM's
+      ``allocate_slots`` counts them), which the term does not see: the router does not
+      know which of a replica's cached blocks are held. Charging the whole prompt, the
+      other bound, did worse on the pressure case (TTFT p99 5.26 against 3.68 s at 5 x),
+      and so did counting the ``n_r x D`` tokens the running decodes will still add
+      (docs/architecture.md, "The cost model").
 
     A new prefix (no candidate holds even its first block, ``new_prefix``) brings more
     than itself: its later requests will follow it to the replica chosen now. Nothing is
