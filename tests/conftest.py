@@ -416,3 +416,18 @@ def redis_cluster(tmp_path_factory):
     cluster = LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster"), masters=3)
     yield cluster
     cluster.stop()
+
+
+async def random_holdings(index, load, rng, replicas, prefix, tag: str, max_requests: int,
+                          max_prefill: int) -> None:
+    """A random state for the route script's parity tests: each replica holds a random
+    leading part of ``prefix`` (exact entries, as its KV events would write them) and
+    carries up to ``max_requests - 1`` reservations (ids ``<tag>-<replica>-<i>``) of up to
+    ``max_prefill - 1`` queued prefill tokens each."""
+    from router.kv_events.wire import KVEvent
+    for r in replicas:
+        k = rng.randrange(0, len(prefix) + 1)
+        if k:
+            await index.apply_events(r, [KVEvent("stored", prefix[:k], None)])
+        for i in range(rng.randrange(0, max_requests)):
+            await load.reserve(f"{tag}-{r}-{i}", r, rng.randrange(0, max_prefill))

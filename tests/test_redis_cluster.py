@@ -26,6 +26,7 @@ from router.routing.atomic import AtomicRoute
 from router.routing.core import RoutingCore
 from router.routing.groups import GroupChoice
 from router.routing.replica import ReplicaInfo
+from tests.conftest import random_holdings
 
 BS = 32
 
@@ -126,12 +127,7 @@ async def test_the_atomic_route_on_the_cluster_chooses_as_the_python_policy(grou
     parts = index.groups.split(replicas)
     for trial in range(24):
         prefix = [trial * 1000 + i for i in range(rng.randrange(1, 40))]
-        for r in replicas:
-            k = rng.randrange(0, len(prefix) + 1)
-            if k:
-                await index.apply_events(r, [KVEvent("stored", prefix[:k], None)])
-            for i in range(rng.randrange(0, 3)):
-                await load.reserve(f"bg{trial}-{r}-{i}", r, rng.randrange(0, 3000))
+        await random_holdings(index, load, rng, replicas, prefix, f"bg{trial}", 3, 3000)
         prompt = len(prefix) * BS + rng.randrange(0, 40)
         u = rng.random()
         full = trial % 2 == 1

@@ -19,6 +19,7 @@ from router.policy import Candidate, PrefixAware, RouteRequest
 from router.routing.atomic import AtomicRoute
 from router.routing.core import RoutingCore
 from router.routing.replica import ReplicaInfo
+from tests.conftest import random_holdings
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 BS = 32
@@ -64,12 +65,7 @@ async def test_lua_route_chooses_as_the_python_policy(redis_pair):
     for trial in range(40):
         # a random state: cached prefixes and loads
         prefix = [trial * 1000 + i for i in range(rng.randrange(1, 60))]
-        for r in replicas:
-            k = rng.randrange(0, len(prefix) + 1)
-            if k:
-                await index.apply_events(r, [KVEvent("stored", prefix[:k], None)])
-            for i in range(rng.randrange(0, 4)):
-                await load.reserve(f"bg{trial}-{r}-{i}", r, rng.randrange(0, 3000))
+        await random_holdings(index, load, rng, replicas, prefix, f"bg{trial}", 4, 3000)
         prompt = len(prefix) * BS + rng.randrange(0, 40)
         u = rng.random()
         # every third trial with an admission bound (the load bound's cap)
@@ -105,12 +101,7 @@ async def test_lua_charges_kv_that_will_not_fit_as_the_python_policy(redis_pair)
     moved = 0
     for trial in range(40):
         prefix = [7 * 10**8 + trial * 1000 + i for i in range(rng.randrange(4, 200))]
-        for r in replicas:
-            k = rng.randrange(0, len(prefix) + 1)
-            if k:
-                await index.apply_events(r, [KVEvent("stored", prefix[:k], None)])
-            for i in range(rng.randrange(0, 2)):
-                await load.reserve(f"kbg{trial}-{r}-{i}", r, rng.randrange(0, 800))
+        await random_holdings(index, load, rng, replicas, prefix, f"kbg{trial}", 2, 800)
         prompt = len(prefix) * BS + rng.randrange(0, 40)
         out = rng.randrange(0, 60)
         capacity = {r: rng.choice([None, 2048, 8192, 65536]) for r in replicas}
