@@ -90,7 +90,7 @@ class PrefixAware(Policy):
     have not come yet, is not taken for idle. A placement weighs e^-1 as much after one
     request life, by when its requests are among the ``n_r`` in flight.
 
-    The three terms are sums of seconds over the requests concerned (one user's first
+    The terms are sums of seconds over the requests concerned (one user's first
     token, many users' inter-token gaps), so the policy minimises the total latency the
     decision adds. ``running_weight``, ``interference`` and ``kv_pressure`` scale the
     second, third and fourth terms (1: as stated; 0: without, for the benchmark's ablation
