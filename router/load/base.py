@@ -114,12 +114,10 @@ class LoadTracker(ABC):
         held = self.placement_of(request_id)
         if held is None or held[0] == replica:
             return
-        old, shared = held
-        # forgotten before the first await: a second move of the same request meanwhile
-        # finds none to move (not one count taken twice)
-        self._forget_placement(request_id)
-        await self.unplaced(old, window_s, local_only=not shared)
-        await self.placed(replica, window_s, request_id, local_only=not shared)
+        # forgotten before the first await (retract_placement): a second move of the same
+        # request meanwhile finds none to move, not one count taken twice
+        await self.retract_placement(request_id, window_s)
+        await self.placed(replica, window_s, request_id, local_only=not held[1])
 
     def retract_placement(self, request_id: str,
                           window_s: float) -> Coroutine[Any, Any, None] | None:

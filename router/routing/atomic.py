@@ -95,12 +95,13 @@ class AtomicRoute:
         load, groups = self.load, self.index.groups
         load.ensure_heartbeat()
         everyone = replicas
+        kv_free_tokens = list(kv_free_tokens or [None] * len(replicas))
         group = 0
         if groups.tagged:
             parts = groups.split(replicas)
             group = self.first_level.choose(block_hashes, parts, request_id)
             ttl_of = dict(zip(replicas, ttls_s))
-            free_of = dict(zip(replicas, kv_free_tokens or [None] * len(replicas)))
+            free_of = dict(zip(replicas, kv_free_tokens))
             replicas = parts[group]
             ttls_s = [ttl_of[r] for r in replicas]
             kv_free_tokens = [free_of[r] for r in replicas]
@@ -117,8 +118,7 @@ class AtomicRoute:
                 min(load_factor, 1e9), u, int(load.heartbeat_ttl_s * 1000),
                 int(max_inflight or 0), running_weight, interference, expected_output_tokens,
                 placement_window_s * 1000, kv_pressure, *(int(t * 1000) for t in ttls_s),
-                *(-1 if f is None else max(float(f), 0.0)
-                  for f in (kv_free_tokens or [None] * len(replicas))),
+                *(-1 if f is None else max(float(f), 0.0) for f in kv_free_tokens),
                 *replicas]
 
         async def run(client):
