@@ -82,6 +82,28 @@ def with_adapters(content: bytes, adapters) -> bytes:
     return json.dumps(listing).encode()
 
 
+def health_of(infos, configured: int) -> tuple[int, dict[str, Any]]:
+    """``/health``'s status code and body for the replicas known (``infos``: a sequence of
+    ``router.routing.replica.ReplicaInfo``, None before any replica set is known) and the
+    ``configured`` count of replicas (Serve's and external engines').
+
+    200 while at least one replica can serve: its engine is up or not known to be down
+    (routing passes over engines reported down, ``engine_alive`` false); 503 while none
+    can (no replica set known yet, none left, or every engine reported down). The body:
+    ``status`` (``starting``, ``no replicas``, ``ok`` or ``degraded``), ``ready`` (every
+    configured replica's engine is up, and at least one), ``replicas``, ``engines_alive``
+    and ``configured_replicas``."""
+    n = None if infos is None else len(infos)
+    alive = sum(1 for i in infos or () if i.stats.engine_alive)
+    can_serve = any(i.stats.engine_alive is not False for i in infos or ())
+    ready = n is not None and alive >= max(configured, 1)
+    status = ("starting" if n is None else "no replicas" if n == 0 else
+              "ok" if ready else "degraded")
+    return (200 if can_serve else 503), {
+        "status": status, "ready": ready, "replicas": n, "engines_alive": alive,
+        "configured_replicas": configured}
+
+
 @serve.deployment(name="Ingress")
 @serve.ingress(fastapi_app)
 class Ingress:
@@ -213,24 +235,17 @@ class Ingress:
 
     @fastapi_app.get("/health")
     async def health(self) -> Response:
-        """200 while at least one engine replica can serve (503 with none), with what a
-        load balancer and an operator need to tell apart: ``ready`` once every configured
-        replica's engine is up, ``degraded`` while some are missing or down (and then Serve's
-        own status of the engine deployment, which names a replica that keeps failing its
-        start)."""
-        n = state.replica_count()
-        alive = sum(1 for i in state.replica_infos() or ()
-                    if i.stats.engine_alive)
+        """200 while at least one engine replica can serve, 503 while none can
+        (``health_of``), with what a load balancer and an operator need to tell apart:
+        ``ready`` once every configured replica's engine is up, ``degraded`` while some are
+        missing or down (and then Serve's own status of the engine deployment, which names
+        a replica that keeps failing its start)."""
         configured = self.settings.configured_replicas + \
             (len(self.fleet.replicas) if self.fleet is not None else 0)
-        ready = n is not None and alive >= max(configured, 1)
-        status = ("starting" if n is None else "no replicas" if n == 0 else
-                  "ok" if ready else "degraded")
-        body: dict[str, Any] = {"status": status, "ready": ready, "replicas": n,
-                                "engines_alive": alive, "configured_replicas": configured}
-        if not ready:
+        code, body = health_of(state.replica_infos(), configured)
+        if not body["ready"]:
             body["engine_deployment"] = await self._engine_deployment_status()
-        return JSONResponse(body, status_code=503 if n == 0 else 200)
+        return JSONResponse(body, status_code=code)
 
     async def _engine_deployment_status(self) -> dict | None:
         """The engine deployment's status as Serve's controller reports it (its state,

@@ -113,7 +113,8 @@ class Settings(BaseSettings):
         None, description="vLLM --load-format; default 'dummy' when the model directory has "
                           "no weight files.")
     device: Literal["auto", "cpu", "gpu"] = Field(
-        "auto", description="'auto' picks gpu when CUDA is visible to the replica.")
+        "auto", description="'auto' picks gpu when Ray gave the replica a GPU "
+                       "(replica_num_gpus > 0), else cpu.")
     max_model_len: Optional[int] = Field(None, description="vLLM --max-model-len.")
     dtype: str = Field("auto", description="vLLM --dtype.")
     enforce_eager: bool = Field(True, description="vLLM --enforce-eager (faster start on CPU).")
@@ -134,7 +135,8 @@ class Settings(BaseSettings):
                           "--enable-auto-tool-choice, so requests with tool_choice 'auto' "
                           "are served; without it vLLM answers them with a 400.")
     generate_model_shape: Optional[Literal["tiny", "qwen2.5-0.5b", "qwen2.5-7b"]] = Field(
-        None, description="When the model directory holds no config.json, generate a model "
+        None, description="When the model directory lacks config.json, tokenizer.json or "
+                          "tokenizer_config.json, generate a model "
                           "of this shape there first (config and tokenizer, as "
                           "deploy/make_model.py does; the engines load dummy weights). The "
                           "default tiny model is always generated when missing.")
@@ -333,8 +335,6 @@ class Settings(BaseSettings):
                                         "each; never in Redis); the coldest go first.")
 
     # --- ingress ------------------------------------------------------------------------
-    host: str = Field("127.0.0.1", description="HTTP bind address of Ray Serve's proxy.")
-    port: int = Field(8000, description="HTTP port of Ray Serve's proxy.")
     max_body_bytes: int = Field(100 * 1024 * 1024, gt=0,
                                 description="Largest request body accepted (413 beyond).")
     route_tokenize_max_bytes: int = Field(
@@ -461,7 +461,8 @@ class Settings(BaseSettings):
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings,
                                    dotenv_settings, file_secret_settings
                                    ) -> tuple[PydanticBaseSettingsSource, ...]:
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings,
+                                                     _UnknownVariables(settings_cls)]
         path = os.environ.get("PREFIX_ROUTER_CONFIG")
         if path:
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
@@ -647,6 +648,24 @@ class Settings(BaseSettings):
             if getattr(self, name):
                 out[kw] = getattr(self, name)
         return out
+
+
+class _UnknownVariables(PydanticBaseSettingsSource):
+    """``PREFIX_ROUTER_*`` environment variables that name no setting, given to the model
+    under their own names so that ``extra="forbid"`` refuses them (pydantic-settings'
+    environment source skips such names without a word: a misspelt
+    ``PREFIX_ROUTER_NUM_REPLICA=3`` would run with the default). Known: a field's name, a
+    nested field of one (``__``), and ``PREFIX_ROUTER_CONFIG``."""
+
+    def get_field_value(self, field, field_name):  # every value comes from __call__
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        prefix = "PREFIX_ROUTER_"
+        known = {name.upper() for name in self.settings_cls.model_fields} | {"CONFIG"}
+        return {name: value for name, value in os.environ.items()
+                if name.upper().startswith(prefix)
+                and name[len(prefix):].upper().split("__", 1)[0] not in known}
 
 
 def redact_url(url: str) -> str:

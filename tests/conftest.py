@@ -23,7 +23,7 @@ from loadtest.service import free_port  # noqa: F401  (the tests' loopback ports
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "models" / "tiny-qwen2"
-REDIS_URL = os.environ.get("PREFIX_ROUTER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+REDIS_URL = os.environ.get("ROUTER_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
 BLOCK_SIZE = 32
 
 _WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike "

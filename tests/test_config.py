@@ -22,6 +22,23 @@ def test_environment_overrides_defaults_and_arguments_override_environment(monke
     assert Settings(policy="random").policy == "random"
 
 
+def test_a_variable_that_names_no_setting_is_refused(monkeypatch):
+    """Found by a docs audit: pydantic-settings skips ``PREFIX_ROUTER_*`` names it does
+    not know, so a misspelt variable ran the default without a word."""
+    monkeypatch.setenv("PREFIX_ROUTER_NUM_REPLICA", "3")
+    with pytest.raises(ValidationError) as err:
+        Settings()
+    assert "PREFIX_ROUTER_NUM_REPLICA" in str(err.value)
+    monkeypatch.delenv("PREFIX_ROUTER_NUM_REPLICA")
+    # a nested field's variable and the config file's are settings' names
+    monkeypatch.setenv("PREFIX_ROUTER_AUTOSCALING_CONFIG__MAX_REPLICAS", "3")
+    assert Settings().autoscaling_config == {"max_replicas": "3"}
+    monkeypatch.delenv("PREFIX_ROUTER_AUTOSCALING_CONFIG__MAX_REPLICAS")
+    monkeypatch.setenv("prefix_router_port", "9000")  # a removed setting, any case
+    with pytest.raises(ValidationError):
+        Settings()
+
+
 def test_yaml_file_named_by_environment_is_read(monkeypatch, tmp_path):
     f = tmp_path / "router.yaml"
     f.write_text("policy: least_loaded\nredis_url: redis://127.0.0.1:6379/3\n")

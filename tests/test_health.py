@@ -95,3 +95,26 @@ async def test_a_half_open_replica_passed_over_by_the_policy_gets_traffic_again(
         if d.replica == "A":
             h.record("A", True)
     assert "A" in chosen and chosen.count("A") >= 2, chosen
+
+
+def test_health_answers_503_while_no_replica_can_serve():
+    """Found by a docs audit: ``/health`` said 200 with every engine reported down (and
+    before any replica was known), where the README promises 503 while none can serve."""
+    from router.app import health_of
+    from router.routing.replica import ReplicaInfo
+
+    def infos(*alive):
+        return tuple(ReplicaInfo(f"r{i}", {}, {} if a is None else {"engine_alive": a})
+                     for i, a in enumerate(alive))
+
+    assert health_of(None, 2)[0] == 503 and health_of(None, 2)[1]["status"] == "starting"
+    assert health_of((), 2) == (503, {"status": "no replicas", "ready": False,
+                                      "replicas": 0, "engines_alive": 0,
+                                      "configured_replicas": 2})
+    assert health_of(infos(False, False), 2)[0] == 503
+    assert health_of(infos(False, None), 2)[0] == 200  # not known down: routed to
+    code, body = health_of(infos(False, True), 2)
+    assert (code, body["status"], body["ready"], body["engines_alive"]) == \
+        (200, "degraded", False, 1)
+    code, body = health_of(infos(True, True), 2)
+    assert (code, body["status"], body["ready"]) == (200, "ok", True)

@@ -15,7 +15,7 @@ actor died) is retried once on another replica; after the first byte never (docs
 client disconnect (docs/fault-cases.md 1.2, 5.1).
 
 Response headers: ``x-routed-replica`` (the replica that served), ``x-predicted-cached-tokens``
-(the index's prediction for it), ``x-routing-reason`` (cache, load or fallback),
+(the index's prediction for it), ``x-routing-reason`` (cache, load, fallback or session),
 ``x-routing-policy`` and ``x-data-path`` (what served it) and ``server-timing:
 routing;dur=<ms>`` (W3C Server Timing: arrival at the ingress to dispatch).
 """

@@ -29,7 +29,8 @@ class RoutedRequest:
         routed_replica: set by the router: the replica it chose.
         predicted_cached_tokens: set by the router: per candidate replica, the cached tokens
             the index predicts (the replica that serves the request reports its own).
-        routing_reason: set by the router: ``cache``, ``load`` or ``fallback``.
+        routing_reason: set by the router: ``cache``, ``load``, ``fallback`` or
+            ``session``.
         closed: set by the ingress when an attempt is over (answered, failed, client gone)
             before it releases the load reservation, and cleared when a retry starts; the
             router releases a reservation it makes (or moves) after that moment itself, so
