@@ -509,6 +509,34 @@ async def test_a_late_route_script_that_chose_the_requests_replica_keeps_its_cou
     await conn.close()
 
 
+async def test_a_late_route_script_of_a_request_decided_again_gives_its_count_back(
+        own_redis):
+    """A new prefix: the first decision's script is late (the fallback sends the request to
+    a, as the script does), the attempt fails and the request is decided again among the
+    others (b). The first script's count at a is not the request's any more: taken back
+    when it settles, not adopted; the request counts once, at b."""
+    import redis as sync_redis
+    from router.routing import core as core_module
+
+    ns = "t"
+    settings, conn, index, load, core = _late_setup(own_redis, ns)
+    admin = sync_redis.Redis.from_url(own_redis.url)
+    hashes = list(range(7000, 7020))
+    admin.execute_command("CLIENT", "PAUSE", 300, "WRITE")
+    d = await core.decide("q1", len(hashes) * 32, hashes, [ReplicaInfo("a", {}, {})])
+    assert (d.replica, d.reason) == ("a", "fallback")
+    d = await core.decide("q1", len(hashes) * 32, hashes, [ReplicaInfo("b", {}, {})])
+    assert (d.replica, d.reason) == ("b", "fallback")
+    await _settled(core_module)
+    assert float(admin.hget(f"{ns}:load", "a:k")) == 0.0
+    assert 0.2 < float(admin.hget(f"{ns}:load", "b:k")) <= 1.0
+    assert load.placement_of("q1") == ("b", True)
+    assert load.local.loads_now(["a"])["a"].placements == 0.0
+    await load.release("q1")
+    await load.close()
+    await conn.close()
+
+
 async def test_a_late_route_script_of_a_request_that_went_nowhere_leaves_no_lease(own_redis):
     """A route script that ran after its decision had failed (here the fallback's policy
     raised; a cancelled request is the same) holds a lease that no release of the request
