@@ -120,3 +120,33 @@ def test_prompts_the_engine_changes_are_routed_by_load(ingress):
         assert not renderer.render(CHAT_PATH, body).cacheable
     assert not renderer.render(COMPLETIONS_PATH, {"prompt": "word " * 500,
                                                   "truncate_prompt_tokens": 300}).cacheable
+
+
+@pytest.mark.parametrize("extra", [
+    {}, {"echo": True}, {"echo": "true"}, {"echo": True, "top_logprobs": None},
+    {"echo": True, "top_logprobs": 2, "logprobs": True}, {"echo": False, "logprobs": 3},
+    {"prompt_logprobs": 0}, {"prompt_logprobs": 1, "echo": False}, {"echo": 0},
+    {"echo": True, "logprobs": 1}, {"echo": True, "logprobs": None}])
+@pytest.mark.parametrize("path", [CHAT_PATH, COMPLETIONS_PATH])
+def test_requests_the_engine_reads_no_cache_for_are_routed_by_load(ingress, path, extra):
+    """Found by a break test: a chat request with ``echo`` was predicted 288 cached tokens
+    where the engine reported 0 (echo asks for prompt logprobs, and vLLM then skips
+    reading its prefix cache). Checked against vLLM's own request models: the router's
+    rule and ``SamplingParams.skip_reading_prefix_cache`` agree."""
+    from router.prompt.render import reads_no_cache
+    if path == CHAT_PATH:
+        from vllm.entrypoints.openai.chat_completion.protocol import \
+            ChatCompletionRequest as Model
+        body = {"model": "m", "messages": [{"role": "user", "content": "word " * 500}]}
+        if "logprobs" in extra and extra["logprobs"] is not None and \
+                not isinstance(extra["logprobs"], bool):
+            pytest.skip("chat's logprobs is a bool")
+    else:
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest as Model
+        body = {"model": "m", "prompt": "word " * 500}
+        if "top_logprobs" in extra or isinstance(extra.get("logprobs"), bool):
+            pytest.skip("a chat field")
+    body.update(extra)
+    skips = Model.model_validate(body).to_sampling_params(16, {}).skip_reading_prefix_cache
+    assert reads_no_cache(path, body) == skips
+    assert ingress.renderer.render(path, body).cacheable == (not skips)

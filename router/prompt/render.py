@@ -68,6 +68,28 @@ class PromptInfo:
             self.rest = None
 
 
+_LAX_TRUE = (True, 1, "1", "true", "True", "TRUE", "yes", "on", "t", "y")
+
+
+def reads_no_cache(path: str, body: dict[str, Any]) -> bool:
+    """Whether the engine computes the whole prompt of this request, cached blocks or not:
+    vLLM skips reading its prefix cache for a request with prompt logprobs
+    (``SamplingParams.skip_reading_prefix_cache``, ``vllm/sampling_params.py``: prompt
+    logprobs of cached tokens are not computed), and a request asks for them with
+    ``prompt_logprobs``, or with ``echo`` (true in pydantic's lax sense): for chat always
+    (``top_logprobs`` stands in, and null reads as 0), for completions with ``logprobs``
+    not null (``to_sampling_params`` of ``chat_completion/protocol.py`` and
+    ``completion/protocol.py``, vLLM 0.32; ``tests/test_ingress_input.py`` checks the rule
+    against them). Such a request is routed by load: no replica
+    saves it any prefill (its blocks are still stored, and the engine's KV events bring
+    them to the index)."""
+    if body.get("prompt_logprobs") is not None:
+        return True
+    if body.get("echo") not in _LAX_TRUE:
+        return False
+    return path == CHAT_PATH or body.get("logprobs") is not None
+
+
 def _has_tool_calls(messages: Any) -> bool:
     """Whether some message of a chat body carries ``tool_calls``."""
     return isinstance(messages, list) and any(
@@ -171,10 +193,14 @@ class PromptRenderer:
         (``SegmentEncoder.encode_head``). Not cacheable (routed by load) when the engine
         would not see the prompt the router renders: ``truncate_prompt_tokens`` (the engine
         drops tokens, by rules that vary with its version and tokenizer) or a chat template
-        sent with the request.
+        sent with the request; and when the engine reads nothing from its prefix cache for
+        the request (``reads_no_cache``).
         """
         if body.get("truncate_prompt_tokens") is not None:
             return PromptInfo(cacheable=False, reason="the engine truncates the prompt")
+        if reads_no_cache(path, body):
+            return PromptInfo(cacheable=False, reason="prompt logprobs: the engine reads no "
+                                                      "cached block")
         if path == CHAT_PATH and body.get("chat_template") is not None:
             return PromptInfo(cacheable=False, reason="request carries its own chat template")
         try:
