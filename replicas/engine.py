@@ -50,6 +50,20 @@ def _default_log_dir() -> Path:
         return Path(tempfile.gettempdir())
 
 
+def _engine_tmp_root() -> Path | None:
+    """Where the engine guard makes the engine's temp folder: the Ray session's folder, so
+    that what a guard killed with SIGKILL leaves is inside it (Ray's worker exit SIGKILLs
+    it); None (the system temp folder) outside Ray, or where the session's path is too long
+    for the Unix sockets vLLM makes in it (107 bytes with a 36-character name and the
+    guard's 10-character folder)."""
+    try:
+        from ray._private import worker
+        root = Path(worker._global_node.get_session_dir_path())
+    except Exception:  # no Ray node in this process (tests, a bare replica)
+        return None
+    return root if len(str(root).encode()) <= 56 else None
+
+
 _GUARD_GRACE_S = 8.0  # the guard's SIGTERM-to-SIGKILL time, inside stop()'s grace_s
 
 
@@ -234,7 +248,9 @@ class EngineProcess:
         # workers outlive their API server otherwise.
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "replicas.engine_guard", "--grace-s", str(_GUARD_GRACE_S),
-            *(a for p in self.files() for a in ("--remove", str(p))), "--", *cmd, stdout=log,
+            *(a for p in self.files() for a in ("--remove", str(p))),
+            *(("--tmp-root", str(root)) if (root := _engine_tmp_root()) else ()),
+            "--", *cmd, stdout=log,
             stderr=asyncio.subprocess.STDOUT, env=self.env(), start_new_session=True)
         log.close()
         self.started_at = time.time()

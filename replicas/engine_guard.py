@@ -1,6 +1,7 @@
 """Runs an engine command so that none of its processes outlives it: the guard of one engine.
 
-    python -m replicas.engine_guard [--grace-s 10] [--remove PATH ...] -- python -m vllm...
+    python -m replicas.engine_guard [--grace-s 10] [--remove PATH ...] [--tmp-root DIR] \
+        -- python -m vllm...
 
 The replica starts the guard as the leader of a new process session and group; the guard
 starts the engine in that group and waits. vLLM's API server starts its engine core (and its
@@ -19,6 +20,13 @@ a GPU). So the whole group goes, with its leader, when any of these happens:
   sends the engine's API server SIGTERM (the same ``PR_SET_PDEATHSIG``, set in it), and it
   shuts its engine core down.
 
+The engine runs with a temp folder of its own (``TMPDIR``, created by the guard): vLLM and
+Python put files there that nothing deletes when the engine is stopped (vLLM's ZeroMQ IPC
+sockets between its API server and engine core, ``vllm_dist_*`` files, multiprocessing's
+``pymp-*`` folders). The guard deletes it once the engine's group is gone, whatever stopped
+it; it is made in ``--tmp-root`` (the replica passes the Ray session's folder), so what a
+guard killed with SIGKILL leaves stays inside that.
+
 Once the engine's group is gone, and if the replica is gone too, the guard deletes the
 ``--remove`` paths (the engine's KV-event socket files, when it has any; a live replica
 deletes them itself at its shutdown). It exits with the engine's exit code (128 + the signal for a signal).
@@ -28,9 +36,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -51,13 +61,16 @@ def _kill_group(sig: int) -> None:
         pass
 
 
-def run(cmd: list[str], grace_s: float, remove: list[str] = ()) -> int:
+def run(cmd: list[str], grace_s: float, remove: list[str] = (),
+        tmp_root: str | None = None) -> int:
     """Start ``cmd`` in this process group and wait; see the module docstring."""
     _die_with_parent()
     parent = os.getppid()
     if parent == 1:  # the replica died before the guard asked to be told
         return 128 + signal.SIGTERM
-    child = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
+    # short: vLLM's socket paths go in it
+    tmp = tempfile.mkdtemp(prefix="e-" if tmp_root else "prefix-router-engine-", dir=tmp_root)
+    child = subprocess.Popen(cmd, preexec_fn=_die_with_parent, env={**os.environ, "TMPDIR": tmp})
     stopping = {"at": None}
 
     def on_signal(signum, frame):
@@ -87,6 +100,7 @@ def run(cmd: list[str], grace_s: float, remove: list[str] = ()) -> int:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+    shutil.rmtree(tmp, ignore_errors=True)
     if os.getppid() != parent:  # the replica is gone: nobody else will delete them
         for path in remove:
             try:
@@ -124,12 +138,14 @@ def main(argv: list[str] | None = None) -> int:
                     help="after SIGTERM, seconds before the engine's group is SIGKILLed")
     ap.add_argument("--remove", action="append", default=[], metavar="PATH",
                     help="a file to delete once the engine is gone (repeatable)")
+    ap.add_argument("--tmp-root", metavar="DIR", default=None,
+                    help="where to make the engine's temp folder (default: the system's)")
     ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the engine command")
     a = ap.parse_args(argv)
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
     if not cmd:
         ap.error("no engine command")
-    return run(cmd, a.grace_s, a.remove)
+    return run(cmd, a.grace_s, a.remove, a.tmp_root)
 
 
 if __name__ == "__main__":

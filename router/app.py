@@ -451,6 +451,9 @@ def build_app(args: dict[str, Any] | None = None):
     engines = engine_deployment(settings).bind(settings.dump())
     return Ingress.options(
         num_replicas=settings.ingress_replicas,
+        # a stopping ingress replica (app deleted, redeployed) finishes the requests it
+        # relays, streams included, as long as an engine replica drains (deploy/stop.py)
+        graceful_shutdown_timeout_s=settings.drain_timeout_s + 30,
         ray_actor_options={"num_cpus": settings.ingress_num_cpus},
         max_ongoing_requests=max(settings.max_ongoing_requests * max(settings.most_replicas, 1),
                                  100),

@@ -33,8 +33,9 @@ def _gone(pgid: int) -> bool:
     return False
 
 
-def _start_guard(*engine_args: str) -> subprocess.Popen:
+def _start_guard(*engine_args: str, tmp_root=None) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "replicas.engine_guard", "--grace-s", "3",
+                             *(("--tmp-root", str(tmp_root)) if tmp_root else ()),
                              "--", sys.executable, "-c", ENGINE, *engine_args], cwd=ROOT,
                             stdout=subprocess.PIPE, text=True, start_new_session=True)
 
@@ -74,11 +75,12 @@ def test_a_replica_killed_with_sigkill_takes_its_engine_along():
     wait_until(lambda: _gone(guard_pid), 15, 0.1, "the orphaned engine's group to be gone")
 
 
-def test_a_guard_killed_with_sigkill_still_stops_its_engine():
+def test_a_guard_killed_with_sigkill_still_stops_its_engine(tmp_path):
     """Ray SIGKILLs the direct children of a worker that exits: the guard. Its engine hears
     of it from the kernel and exits (here the stand-in's SIGTERM ends it and its core goes
-    with the group, as vLLM's API server stops its engine core)."""
-    guard = _start_guard()
+    with the group, as vLLM's API server stops its engine core). The engine's temp folder
+    stays where the replica asked for it (the Ray session's folder; here the test's)."""
+    guard = _start_guard(tmp_root=tmp_path)
     guard.stdout.readline()
     time.sleep(0.3)
     engine = next(int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != guard.pid
@@ -96,3 +98,34 @@ def _ppid(pid: int) -> int:
     except OSError:
         return 0
     return 0 if fields[0] == "Z" else int(fields[1])
+
+
+def test_the_engines_temp_files_go_with_it(tmp_path):
+    """Found by a new user's trial: each stop left vLLM's ``vllm_dist_*`` files and ZeroMQ
+    IPC sockets in /tmp (they go to the temp folder and nothing deletes them). The engine
+    gets a temp folder of its own, deleted once it is gone, whether it exits or is
+    stopped."""
+    leaver = textwrap.dedent("""
+        import os, socket, sys, tempfile, time
+        fd, path = tempfile.mkstemp(prefix="vllm_dist_")
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(os.path.join(tempfile.gettempdir(), "3f1c2d9e-ipc"))
+        print(tempfile.gettempdir(), flush=True)
+        if "--exit" in sys.argv:
+            sys.exit(0)
+        time.sleep(120)
+    """)
+    for args, stop, root in ((["--exit"], False, None), ([], True, None),
+                             ([], True, tmp_path)):
+        guard = subprocess.Popen([sys.executable, "-m", "replicas.engine_guard", "--grace-s",
+                                  "3", *(("--tmp-root", str(root)) if root else ()), "--",
+                                  sys.executable, "-c", leaver, *args], cwd=ROOT,
+                                 stdout=subprocess.PIPE, text=True, start_new_session=True)
+        tmp = guard.stdout.readline().strip()
+        assert os.path.basename(tmp).startswith("e-" if root else "prefix-router-engine-")
+        assert root is None or os.path.dirname(tmp) == str(root)
+        assert len(os.listdir(tmp)) == 2
+        if stop:
+            guard.send_signal(signal.SIGTERM)
+        guard.wait(15)
+        assert not os.path.exists(tmp)

@@ -4,9 +4,14 @@ SIGTERM or SIGINT to its whole process group."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
+import threading
+
+import httpx
 
 import pytest
 
@@ -24,14 +29,16 @@ def _ours(pgid_before: set[int]) -> list[str]:
             if any(k in line for k in keys) and int(line.split()[0]) not in pgid_before]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_to_the_run_commands_process_group_leaves_no_process(tmp_path, sig):
-    before = {int(line.split()[0]) for line in _ours(set())}  # e.g. other tests' Ray
+def _start(tmp_path, **env_extra) -> tuple[subprocess.Popen, int]:
+    """``bash deploy/run.sh`` with simulated engines in a session of its own, as a
+    terminal or a supervisor runs it (SIGINT not ignored); returns it and its HTTP port once
+    it printed its ready line."""
     port = free_port()
     config = tmp_path / "sim.yaml"
     config.write_text((ROOT / "deploy" / "cpu.yaml").read_text()
                       .replace("port: 8000", f"port: {port}"))
-    env = {**os.environ, "PREFIX_ROUTER_ENGINE": "sim", "RAY_AUTH_MODE": "disabled"}
+    env = {**os.environ, "PREFIX_ROUTER_ENGINE": "sim", "RAY_AUTH_MODE": "disabled",
+           **env_extra}
     log = open(tmp_path / "run.log", "w")
     proc = subprocess.Popen(["bash", "deploy/run.sh", str(config)], cwd=ROOT, env=env,
                             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
@@ -39,13 +46,64 @@ def test_a_signal_to_the_run_commands_process_group_leaves_no_process(tmp_path, 
     try:
         wait_until(lambda: "is ready" in (tmp_path / "run.log").read_text(), 300, 1.0,
                    "the service to print its ready line")
-        assert any("replicas.sim.server" in p for p in _ours(before))
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    return proc, port
+
+
+def _stop(proc: subprocess.Popen, sig: int, before: set[int]) -> None:
+    """``sig`` to the service's process group; every process of it gone."""
+    try:
         os.killpg(proc.pid, sig)
         proc.wait(120)
         wait_until(lambda: not _ours(before), 60, 1.0,
-                   f"every process of the service to be gone after {sig.name}")
+                   f"every process of the service to be gone after {signal.Signals(sig).name}")
     finally:
         for line in _ours(before):
             os.kill(int(line.split()[0]), signal.SIGKILL)
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_the_run_commands_process_group_leaves_no_process(tmp_path, sig):
+    before = {int(line.split()[0]) for line in _ours(set())}  # e.g. other tests' Ray
+    proc, _ = _start(tmp_path)
+    try:
+        assert any("replicas.sim.server" in p for p in _ours(before))
+    finally:
+        _stop(proc, sig, before)
+
+
+def test_the_stop_command_lets_a_stream_in_flight_finish(tmp_path):
+    """Found by a new user's trial: Ctrl-C cut a stream in flight (Serve kills its HTTP
+    proxies first). ``python -m deploy.stop`` deletes the application instead: the stream
+    ends whole, then a signal stops the rest."""
+    before = {int(line.split()[0]) for line in _ours(set())}
+    # 20 ms a step: a 400-token answer streams for about 8 s
+    proc, port = _start(tmp_path, PREFIX_ROUTER_EXTRA_ENGINE_ARGS=json.dumps(
+        ["--step-model", "0.02,0.00002,0.0005,0"]))
+    try:
+        out: dict = {}
+
+        def stream() -> None:
+            body = {"model": "tiny-qwen2", "max_tokens": 400, "stream": True,
+                    "messages": [{"role": "user", "content": "hello " * 20}]}
+            with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/chat/completions",
+                              json=body, timeout=120) as r:
+                out["status"] = r.status_code
+                out["body"] = b"".join(r.iter_bytes())
+        t = threading.Thread(target=stream)
+        t.start()
+        wait_until(lambda: "status" in out, 30, 0.05, "the stream to start")
+        stopped = subprocess.run([sys.executable, "-m", "deploy.stop"], cwd=ROOT,
+                                 capture_output=True, text=True, timeout=180,
+                                 env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+        t.join(60)
+        assert stopped.returncode == 0 and "deleted" in stopped.stdout, stopped.stderr[-2000:]
+        assert out["status"] == 200 and out["body"].endswith(b"data: [DONE]\n\n"), \
+            out["body"][-300:]
+        assert b'"finish_reason": "length"' in out["body"].replace(b'":"', b'": "')
+    finally:
+        _stop(proc, signal.SIGINT, before)

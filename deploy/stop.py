@@ -1,0 +1,59 @@
+#!/usr/bin/env python3
+"""Stop the service without cutting the requests in flight.
+
+Ctrl-C on ``serve run`` and ``serve shutdown`` shut Serve down, and Serve kills its HTTP
+proxies first (``ray.kill``): every request still in flight through them is cut at once,
+streams included. Deleting the application instead stops its replicas the way a scale-in
+does, behind proxies that keep running: each ingress replica finishes the requests it
+serves (Serve's ``graceful_shutdown_timeout_s``, ``drain_timeout_s + 30`` here) and each
+engine replica drains its engine (docs/operations.md, "Stopping"). This command deletes
+the application, waits until it is gone, and returns; then stop ``serve run`` (Ctrl-C,
+SIGTERM) with nothing left to cut. Under systemd, it is the unit's ``ExecStop``.
+
+Usage (from the repository root, on a host of the Ray cluster)::
+
+    .venv/bin/python -m deploy.stop                     # the application "prefix-router"
+    .venv/bin/python -m deploy.stop --app my-app --address ray://head:10001
+
+Exit status: 0 once the application is deleted (or was not running), 1 when Ray could not
+be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--app", default="prefix-router",
+                    help="the Serve application's name (the config's applications[].name)")
+    ap.add_argument("--address", default="auto",
+                    help="the Ray cluster to reach (ray.init's address; default: the local one)")
+    a = ap.parse_args(argv)
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # as deploy/run.sh starts Ray
+    import ray
+    from ray import serve
+    try:
+        ray.init(address=a.address, log_to_driver=False, logging_level="WARNING")
+    except (ConnectionError, RuntimeError) as exc:
+        print(f"no Ray cluster at {a.address}: {exc}", file=sys.stderr)
+        return 1
+    try:
+        try:
+            running = a.app in serve.status().applications
+        except Exception:  # noqa: BLE001 - no Serve on the cluster: nothing to delete
+            running = False
+        if running:
+            serve.delete(a.app)  # returns once its replicas have finished and stopped
+        print(f"application {a.app!r} " + ("deleted: its requests in flight finished"
+                                          if running else "was not running"))
+        return 0
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
