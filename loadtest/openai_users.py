@@ -557,7 +557,9 @@ def _init(environment, **kw) -> None:
 
 def summary(environment) -> dict[str, Any]:
     """The end-of-run summary: hit rate (engine-reported cached / prompt tokens), TTFT and
-    ITL percentiles (ms, locust's own histograms), requests and failures per replica."""
+    ITL percentiles (ms, locust's own histograms), requests and failures per replica.
+    ``requests`` counts the inference requests (POSTs), as the replicas' rows do; a user's
+    ``GET /v1/models`` at its start is not one."""
     stats = environment.stats
     rows = REPLICAS.snapshot()
     prompt = sum(r["prompt_tokens"] for r in rows)
@@ -580,7 +582,7 @@ def summary(environment) -> dict[str, Any]:
             "cached_tokens": cached,
             "exact_predictions": exact / predicted if predicted else None,
             "requests": sum(e.num_requests for (_, m), e in stats.entries.items()
-                            if m not in ("TTFT", "ITL", "TPOT")),
+                            if m == "POST"),
             "failures": stats.total.num_failures,
             "ttft_ms": pct("TTFT"), "itl_ms": pct("ITL"), "tpot_ms": pct("TPOT"),
             "replicas": rows}

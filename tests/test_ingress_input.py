@@ -54,7 +54,8 @@ def test_unknown_paths_and_methods_get_the_openai_error_shape():
         return {"object": "list", "data": []}
 
     client = TestClient(app)
-    for r, status in ((client.get("/v1/nope"), 404), (client.post("/v1/models"), 405)):
+    for r, status in ((client.get("/v1/nope"), 404), (client.post("/v1/models"), 405),
+                      (client.get("/v1/models/", follow_redirects=False), 404)):
         assert r.status_code == status
         assert r.json()["error"]["code"] == status and r.json()["error"]["message"]
 

@@ -600,7 +600,9 @@ def resolve_priority(header: str | None, tenant: Tenant | None) -> int:
 
 def build_fastapi_app() -> FastAPI:
     """The FastAPI app; its routes delegate to ``Ingress`` (set as ``app.state.ingress``)."""
-    app = FastAPI(title="prefix-router", version="0.1.0")
+    # a trailing slash is an unknown path (404 in the OpenAI shape), not a redirect to a
+    # URL built from the Host header
+    app = FastAPI(title="prefix-router", version="0.1.0", redirect_slashes=False)
     # the server span of each inference request, while tracing is on (router.tracing)
     app.add_middleware(tracing.TracingMiddleware, paths=(CHAT_PATH, COMPLETIONS_PATH))
 

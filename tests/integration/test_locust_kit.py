@@ -56,6 +56,8 @@ def test_a_headless_run_against_the_router_has_ttft_and_itl_samples_and_no_failu
     assert sum(int(r["cached_tokens"]) for r in replicas) > 0  # later turns hit
     summary = json.loads((tmp_path / "run_summary.json").read_text())
     assert summary["ttft_ms"]["n"] > 0 and summary["hit_rate"] > 0
+    # the inference requests, as the replicas' rows count them (not a user's GET /v1/models)
+    assert summary["requests"] == int(rows[("POST", "chat")]["Request Count"])
     assert (tmp_path / "run_summary.png").stat().st_size > 0
 
 
