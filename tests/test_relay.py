@@ -124,3 +124,31 @@ async def test_a_failing_receive_cuts_the_relay_and_raises_as_starlette_does():
         await asyncio.wait_for(RelayResponse(body())(SCOPE, receive, send), 5)
     assert state["closed"] and len(sent) < 20
     assert asyncio.current_task().cancelling() == 0
+
+
+async def test_serve_cancelling_the_request_is_a_disconnect():
+    """Found in a break test's logs: when a client left, Serve's ``receive`` raised
+    ``TaskCancelledError`` and the relay raised it on, which asyncio then logged as
+    "Future exception was never retrieved" for every client that left. It is a
+    disconnect: the relay is cut and ends normally."""
+    from ray.exceptions import TaskCancelledError
+    state = {"closed": False}
+
+    async def receive():
+        await asyncio.sleep(0.01)
+        raise TaskCancelledError()
+
+    async def send(message):
+        pass
+
+    async def body():
+        try:
+            while True:
+                yield b"data: x\n\n"
+                await asyncio.sleep(0.005)
+        finally:
+            state["closed"] = True
+
+    await asyncio.wait_for(RelayResponse(body())(SCOPE, receive, send), 5)
+    assert state["closed"]
+    assert asyncio.current_task().cancelling() == 0

@@ -16,6 +16,7 @@ import time
 from typing import TYPE_CHECKING, AsyncIterator
 
 from fastapi.responses import Response, StreamingResponse
+from ray.exceptions import TaskCancelledError
 from starlette.requests import ClientDisconnect
 
 from router import metrics, tracing
@@ -438,9 +439,14 @@ async def relay_until_disconnect(relay, receive) -> None:
     ``RECUT_S`` while it runs on, as anyio's cancel scopes do), and this returns normally.
     Cancellations from elsewhere propagate (``Task.uncancel``'s count).
 
+    Serve's ``receive`` raises ``ray.exceptions.TaskCancelledError`` when Serve cancelled
+    the request because its client left (the proxy cancels the replica's call): that is a
+    disconnect too (raised, it ended as an exception that nobody retrieves, logged by
+    asyncio as "Future exception was never retrieved" for each client that left).
+
     Raises:
-        Exception: what ``receive()`` raised (the relay is cut first), as Starlette's task
-            group raises it; and what ``relay()`` raises.
+        Exception: what ``receive()`` raised otherwise (the relay is cut first), as
+            Starlette's task group raises it; and what ``relay()`` raises.
     """
     task = asyncio.current_task()
     state = {"relaying": True, "cuts": 0, "error": None}
@@ -449,6 +455,8 @@ async def relay_until_disconnect(relay, receive) -> None:
         try:
             while (await receive())["type"] != "http.disconnect":
                 pass
+        except TaskCancelledError:  # Serve cancelled the request: its client left
+            pass
         except Exception as exc:  # the server's receive failed: stop relaying, raise it
             state["error"] = exc
         while state["relaying"]:  # never after the relay ended: no stray cancellation
