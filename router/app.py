@@ -45,15 +45,33 @@ def header_value(request: Request, name: str) -> str | None:
     return None
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
-    """The request body, refused with 413 beyond ``limit`` bytes (docs/fault-cases.md 10.2)."""
+async def _read_body(request: Request, settings: Settings) -> bytes:
+    """The request body, refused with 413 beyond ``settings.max_body_bytes`` bytes
+    (docs/fault-cases.md 10.2), and with 408 when it stops arriving for
+    ``settings.body_idle_timeout_s`` seconds.
+
+    Raises:
+        OpenAIError: 413 or 408.
+    """
+    limit = settings.max_body_bytes
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
         logger.warning("request body of %s bytes refused (limit %d)", declared, limit)
         raise OpenAIError(413, f"request body exceeds the router's limit of {limit} bytes "
                                "(setting max_body_bytes)", "RequestTooLargeError")
     chunks, size = [], 0
-    async for chunk in request.stream():
+    stream = request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(stream.__anext__(), settings.body_idle_timeout_s)
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            logger.warning("request body stalled for %.0f s after %d bytes: 408",
+                           settings.body_idle_timeout_s, size)
+            raise OpenAIError(408, f"the request body stopped arriving for "
+                                   f"{settings.body_idle_timeout_s:g} s (setting "
+                                   "body_idle_timeout_s)", "RequestTimeoutError") from None
         size += len(chunk)
         if size > limit:
             logger.warning("request body over %d bytes refused", limit)
@@ -155,7 +173,7 @@ class Ingress:
         try:
             tenant = self.keys.authenticate(request.headers.get("authorization"))
             require_json(request.headers.get("content-type"))
-            raw = await _read_body(request, self.settings.max_body_bytes)
+            raw = await _read_body(request, self.settings)
             resp = await self.core.handle(path, raw, t0,
                                           policy=request.headers.get("x-routing-policy"),
                                           data_path=request.headers.get("x-data-path"),
@@ -211,7 +229,7 @@ class Ingress:
         self.keys.authenticate(request.headers.get("authorization"))
         require_json(request.headers.get("content-type"))
         return await self._any_engine(
-            "POST", "/tokenize", await _read_body(request, self.settings.max_body_bytes))
+            "POST", "/tokenize", await _read_body(request, self.settings))
 
     @fastapi_app.post("/detokenize")
     async def detokenize(self, request: Request) -> Response:
@@ -219,7 +237,7 @@ class Ingress:
         self.keys.authenticate(request.headers.get("authorization"))
         require_json(request.headers.get("content-type"))
         return await self._any_engine(
-            "POST", "/detokenize", await _read_body(request, self.settings.max_body_bytes))
+            "POST", "/detokenize", await _read_body(request, self.settings))
 
     async def _any_engine(self, method: str, path: str, body: bytes | None = None) -> Response:
         """An endpoint every engine answers alike, from one that is up: 503 with no replica
@@ -367,7 +385,7 @@ class Ingress:
         policy_name = request.headers.get("x-routing-policy")
         self.core.check_policy(policy_name)
         try:
-            raw = await _read_body(request, self.settings.max_body_bytes)
+            raw = await _read_body(request, self.settings)
             req = await self.core.prepare(paths[route], raw, policy_name, tenant)
             infos = await self.core.replica_set()
             out = await self.core.routing_core().explain(

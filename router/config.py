@@ -351,6 +351,11 @@ class Settings(BaseSettings):
                                 "0: always tokenize whole.")
     request_timeout_s: float = Field(
         1800.0, gt=0, description="Upper bound of one request to an engine.")
+    body_idle_timeout_s: float = Field(
+        60.0, gt=0, description="A request body that stops arriving for this long (s) is "
+                                "answered 408 and its connection freed (nginx's "
+                                "client_body_timeout, 60 s by default): a client that "
+                                "declares a body and stalls holds no request open.")
 
     # --- admission and priorities -------------------------------------------------------
     max_inflight_per_replica: Optional[int] = Field(

@@ -151,3 +151,36 @@ def test_requests_the_engine_reads_no_cache_for_are_routed_by_load(ingress, path
     skips = Model.model_validate(body).to_sampling_params(16, {}).skip_reading_prefix_cache
     assert reads_no_cache(path, body) == skips
     assert ingress.renderer.render(path, body).cacheable == (not skips)
+
+
+async def test_a_body_that_stops_arriving_is_a_408(model_dir):
+    """Found by a break test: a client that declared 100 bytes, sent 12 and stalled held
+    its request open with no end. After ``body_idle_timeout_s`` without a byte it is a 408
+    (a body that keeps coming, however slowly, is read)."""
+    import asyncio
+
+    from starlette.requests import Request
+
+    from router.app import _read_body
+
+    def request(chunks: list[bytes], stall: bool) -> Request:
+        messages = [{"type": "http.request", "body": c, "more_body": True} for c in chunks]
+
+        async def receive():
+            if messages:
+                await asyncio.sleep(0.05)
+                return messages.pop(0)
+            if stall:
+                await asyncio.sleep(3600)
+            return {"type": "http.request", "body": b"", "more_body": False}
+        scope = {"type": "http", "method": "POST", "path": "/v1/completions",
+                 "headers": [(b"content-length", b"100")]}
+        return Request(scope, receive)
+
+    settings = Settings(model=str(model_dir), body_idle_timeout_s=0.2)
+    with pytest.raises(OpenAIError) as err:
+        await asyncio.wait_for(_read_body(request([b"x" * 12], stall=True), settings), 5)
+    assert err.value.status == 408 and "body_idle_timeout_s" in err.value.body()["error"][
+        "message"]
+    # ten chunks 50 ms apart: 0.5 s in all, never 0.2 s without a byte
+    assert await _read_body(request([b"y" * 10] * 10, stall=False), settings) == b"y" * 100
