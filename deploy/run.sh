@@ -38,11 +38,14 @@ if [ -n "${START_REDIS:-}" ]; then
     export PREFIX_ROUTER_REDIS_URL=${PREFIX_ROUTER_REDIS_URL:-redis://127.0.0.1:$rport/0}
 fi
 # The readiness watcher runs beside `serve run`, which keeps this shell's pid (exec) and the
-# foreground, so Ctrl-C reaches it; the watcher ends with it.
-(
+# foreground, so Ctrl-C reaches it; the watcher ends with it. It is started by a subshell
+# that exits at once (and is reaped here), so init, not `serve run`, reaps the watcher when
+# it ends: no zombie for the service's life. /health's body is read whatever its status
+# (503 while no engine serves yet).
+( (
     waited=0
     while kill -0 $$ 2>/dev/null; do
-        health=$(curl -sf "$url/health" 2>/dev/null || true)
+        health=$(curl -s "$url/health" 2>/dev/null || true)
         # /v1/models answers 200, or 401 when API keys are on (the ingress serves and checks)
         models=$(curl -s -o /dev/null -w '%{http_code}' "$url/v1/models" 2>/dev/null || true)
         if echo "$health" | grep -q '"ready":true' && { [ "$models" = 200 ] || [ "$models" = 401 ]; }
@@ -56,5 +59,5 @@ fi
         fi
         sleep 2
     done
-) &
+) & )
 exec .venv/bin/serve run "${@:-deploy/cpu.yaml}"
