@@ -18,7 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 class EngineSnapshot:
     """Totals and gauges of one scrape (``parse_engine_metrics``): counts and totals
     summed over the server's engines; ``kv_usage_frac`` their mean KV usage (0..1);
-    ``kv_capacity_tokens`` the server's KV size in tokens, None when unknown."""
+    ``kv_capacity_tokens`` one engine's KV size in tokens (the server's with one engine),
+    None when unknown."""
 
     running: float = 0.0
     waiting: float = 0.0
@@ -64,7 +65,13 @@ def parse_engine_metrics(text: str) -> EngineSnapshot:
     None when the usage gauge or the info gauge is missing or its labels are not numbers
     (``num_gpu_blocks`` is ``"None"`` before the engine has profiled its memory).
     ``kv_usage_frac`` is the mean of the engines' ``vllm:kv_cache_usage_perc`` (engines of
-    one server are alike: equal shares of the count), 0 when none is published."""
+    one server are alike: equal shares of the count), 0 when none is published.
+
+    ``kv_capacity_tokens`` is one engine's share of that size (the size over the engines
+    publishing a usage gauge): a request runs on one engine, picked by the front end's
+    load balancer by its queue (``waiting + running``, ``get_core_engine_for_request``),
+    not by its free KV, so the cost model judges whether it fits against an average engine,
+    ``share x (1 - mean usage)``, not against the server's whole free KV."""
     snap = EngineSnapshot()
     usage: dict[str, float] = {}
     size: int | None = None
@@ -84,7 +91,7 @@ def parse_engine_metrics(text: str) -> EngineSnapshot:
                     continue
     if usage:
         snap.kv_usage_frac = sum(usage.values()) / len(usage)
-        snap.kv_capacity_tokens = size
+        snap.kv_capacity_tokens = None if size is None else size // len(usage)
     return snap
 
 

@@ -30,8 +30,9 @@ def test_the_kv_capacity_is_num_gpu_blocks_times_block_size():
 
 def test_two_engines_publish_the_servers_count_once_each_and_an_unset_count_is_unknown():
     """Two data-parallel engines of 127,500 blocks each: vLLM's front end publishes the
-    summed count (255,000) under both engine labels; the server holds 255,000 blocks, and
-    with one engine half full and the other empty a quarter of them is in use."""
+    summed count (255,000) under both engine labels; a request runs on one engine of
+    127,500 blocks, and with one engine half full and the other empty a quarter of the
+    blocks is in use: an average engine has 95,625 free."""
     info, usage = VLLM.split("# HELP vllm:kv_cache_usage_perc")
     one = info.splitlines()[-1].replace('num_gpu_blocks="127500"', 'num_gpu_blocks="255000"')
     two = (info.replace('num_gpu_blocks="127500"', 'num_gpu_blocks="255000"')
@@ -39,8 +40,10 @@ def test_two_engines_publish_the_servers_count_once_each_and_an_unset_count_is_u
            + usage.replace(" 0.25", " 0.5")
            + 'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.0\n')
     snap = parse_engine_metrics(two)
-    assert snap.kv_capacity_tokens == 255000 * 16
+    assert snap.kv_capacity_tokens == 127500 * 16
     assert snap.kv_usage_frac == 0.25
+    from router.policy.base import kv_free_tokens
+    assert kv_free_tokens(snap.kv_capacity_tokens, snap.kv_usage_frac) == 95625 * 16
     unset = VLLM.replace('num_gpu_blocks="127500"', 'num_gpu_blocks="None"')
     assert parse_engine_metrics(unset).kv_capacity_tokens is None
     assert parse_engine_metrics("").kv_capacity_tokens is None
