@@ -16,7 +16,9 @@ Usage (from the repository root, on a host of the Ray cluster)::
     .venv/bin/python -m deploy.stop --app my-app --address ray://head:10001
 
 Exit status: 0 once the application is deleted (or was not running), 1 when Ray could not
-be reached.
+be reached; any other error is raised (a traceback, exit status 1). Under systemd, give the
+unit a ``TimeoutStopSec`` above ``drain_timeout_s + 30`` (90 s by default, systemd's own
+default too) so that the drain is not cut.
 """
 
 from __future__ import annotations
@@ -41,10 +43,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ConnectionError, RuntimeError) as exc:
         print(f"no Ray cluster at {a.address}: {exc}", file=sys.stderr)
         return 1
+    from ray.serve.exceptions import RayServeException
     try:
         try:
             running = a.app in serve.status().applications
-        except Exception:  # noqa: BLE001 - no Serve on the cluster: nothing to delete
+        except RayServeException:  # no Serve instance on the cluster: nothing to delete
             running = False
         if running:
             serve.delete(a.app)  # returns once its replicas have finished and stopped

@@ -53,7 +53,7 @@ import httpx
 from loadtest.report import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
-STATE = Path(os.environ.get("PREFIX_ROUTER_BENCH_STATE", "/tmp/prefix-router-bench.json"))
+STATE = Path(os.environ.get("ROUTER_BENCH_STATE", "/tmp/prefix-router-bench.json"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -117,7 +117,7 @@ def start(config: str, redis_server: str | None, ray_port: int, timeout_s: float
     port = int(http.get("port", 8000))
     host = http.get("host", "127.0.0.1")
     state: dict = {"ray_port": ray_port, "url": f"http://127.0.0.1:{port}"}
-    logs = Path(os.environ.get("PREFIX_ROUTER_BENCH_LOGS", "/tmp/prefix-router-bench"))
+    logs = Path(os.environ.get("ROUTER_BENCH_LOGS", "/tmp/prefix-router-bench"))
     logs.mkdir(parents=True, exist_ok=True)
     if redis_server:
         env = dict(os.environ)

@@ -176,14 +176,17 @@ class Settings(BaseSettings):
                           "waiting (router.serve.autoscaling), which every data path "
                           "fills. None: a fixed num_replicas.")
     drain_timeout_s: float = Field(
-        60.0, ge=0, description="When Serve stops a replica (scale-in, redeploy, serve "
-                                "shutdown, Ctrl-C), the replica first lets its engine finish "
-                                "what it serves: it waits until the engine has had no "
-                                "request running or waiting, and finished none, for 2 s "
-                                "(the routers stop sending to a stopping replica once Serve "
-                                "tells them), at most this long, then stops it (0: no wait). "
-                                "Serve's graceful_shutdown_timeout_s, which bounds the whole "
-                                "stop, is this plus 30 s.")
+        60.0, ge=0, description="When Serve stops a replica (scale-in, redeploy, python -m "
+                                "deploy.stop; also serve shutdown and Ctrl-C, though Serve "
+                                "has cut the clients at its proxies by then), the replica "
+                                "first lets its engine finish what it serves: it waits until "
+                                "the engine has had no request running or waiting, and "
+                                "finished none, for 2 s (the routers stop sending to a "
+                                "stopping replica once Serve tells them), at most this long, "
+                                "then stops it (0: no wait). Serve's "
+                                "graceful_shutdown_timeout_s, which bounds the whole stop, is "
+                                "this plus 30 s, for the ingress replicas (which finish the "
+                                "requests they relay) too.")
     ingress_replicas: int = Field(1, ge=1, description="Ingress (router) processes.")
     ingress_num_cpus: float = Field(0.25, ge=0, description="Ray logical CPUs per ingress.")
     max_ongoing_requests: int = Field(
@@ -659,18 +662,40 @@ class _UnknownVariables(PydanticBaseSettingsSource):
     """``PREFIX_ROUTER_*`` environment variables that name no setting, given to the model
     under their own names so that ``extra="forbid"`` refuses them (pydantic-settings'
     environment source skips such names without a word: a misspelt
-    ``PREFIX_ROUTER_NUM_REPLICA=3`` would run with the default). Known: a field's name, a
-    nested field of one (``__``), and ``PREFIX_ROUTER_CONFIG``."""
+    ``PREFIX_ROUTER_NUM_REPLICA=3`` would run with the default). Known: a field's name,
+    ``PREFIX_ROUTER_CONFIG``, and a nested key (``<FIELD>__<KEY>``) of a field that takes
+    nested values (a dict, a list or a model: pydantic-settings reads ``__`` keys for such
+    fields only, and drops them for the others)."""
 
     def get_field_value(self, field, field_name):  # every value comes from __call__
         return None, field_name, False
 
     def __call__(self) -> dict[str, Any]:
         prefix = "PREFIX_ROUTER_"
-        known = {name.upper() for name in self.settings_cls.model_fields} | {"CONFIG"}
-        return {name: value for name, value in os.environ.items()
-                if name.upper().startswith(prefix)
-                and name[len(prefix):].upper().split("__", 1)[0] not in known}
+        fields = self.settings_cls.model_fields
+        known = {name.upper() for name in fields} | {"CONFIG"}
+        nested = {name.upper() for name, f in fields.items() if _takes_nested(f.annotation)}
+
+        def unknown(name: str) -> bool:
+            if not name.upper().startswith(prefix):
+                return False
+            head, sep, _ = name[len(prefix):].upper().partition("__")
+            return head not in (nested if sep else known)
+        return {name: value for name, value in os.environ.items() if unknown(name)}
+
+
+def _takes_nested(annotation: Any) -> bool:
+    """Whether a field of this type takes nested values (``Optional`` and ``Union``
+    unwrapped): a dict, list, tuple or set, or a pydantic model."""
+    import typing
+    origin = typing.get_origin(annotation)
+    if origin is typing.Union or (origin is not None and origin.__name__ == "UnionType"):
+        return any(_takes_nested(a) for a in typing.get_args(annotation))
+    if origin is typing.Annotated:
+        return _takes_nested(typing.get_args(annotation)[0])
+    kind = origin or annotation
+    return kind in (dict, list, tuple, set) or (
+        isinstance(kind, type) and issubclass(kind, BaseModel))
 
 
 def redact_url(url: str) -> str:

@@ -37,6 +37,11 @@ def test_a_variable_that_names_no_setting_is_refused(monkeypatch):
     monkeypatch.setenv("prefix_router_port", "9000")  # a removed setting, any case
     with pytest.raises(ValidationError):
         Settings()
+    monkeypatch.delenv("prefix_router_port")
+    # a nested key of a plain setting: pydantic-settings would drop it without a word
+    monkeypatch.setenv("PREFIX_ROUTER_POLICY__X", "random")
+    with pytest.raises(ValidationError):
+        Settings()
 
 
 def test_yaml_file_named_by_environment_is_read(monkeypatch, tmp_path):

@@ -124,7 +124,8 @@ def test_prompts_the_engine_changes_are_routed_by_load(ingress):
 
 
 @pytest.mark.parametrize("extra", [
-    {}, {"echo": True}, {"echo": "true"}, {"echo": True, "top_logprobs": None},
+    {}, {"echo": True}, {"echo": "true"}, {"echo": "Yes"}, {"echo": "ON"}, {"echo": 1.0},
+    {"echo": "off"}, {"echo": True, "top_logprobs": None},
     {"echo": True, "top_logprobs": 2, "logprobs": True}, {"echo": False, "logprobs": 3},
     {"prompt_logprobs": 0}, {"prompt_logprobs": 1, "echo": False}, {"echo": 0},
     {"echo": True, "logprobs": 1}, {"echo": True, "logprobs": None}])

@@ -68,7 +68,15 @@ class PromptInfo:
             self.rest = None
 
 
-_LAX_TRUE = (True, 1, "1", "true", "True", "TRUE", "yes", "on", "t", "y")
+_LAX_TRUE_STRINGS = {"1", "on", "t", "true", "y", "yes"}  # pydantic's, any case
+
+
+def _lax_true(value: Any) -> bool:
+    """Whether pydantic's lax ``bool`` reads ``value`` as true (vLLM's request models are
+    pydantic): ``True``, the number 1, or one of its true words in any case."""
+    if isinstance(value, str):
+        return value.lower() in _LAX_TRUE_STRINGS
+    return value is True or (isinstance(value, (int, float)) and value == 1)
 
 
 def reads_no_cache(path: str, body: dict[str, Any]) -> bool:
@@ -85,7 +93,7 @@ def reads_no_cache(path: str, body: dict[str, Any]) -> bool:
     them to the index)."""
     if body.get("prompt_logprobs") is not None:
         return True
-    if body.get("echo") not in _LAX_TRUE:
+    if not _lax_true(body.get("echo")):
         return False
     return path == CHAT_PATH or body.get("logprobs") is not None
 

@@ -98,7 +98,9 @@ def openapi_route(path: str | None, *, stream: bool = False) -> dict[str, Any]:
     responses: dict[Any, Any] = {200: {"description": "the engine's answer", "content": ok}}
     for status, why in ((400, "invalid request (the router's or the engine's)"),
                         (401, "no or unknown API key"), (403, "not an admin key"),
-                        (404, "unknown model or path"), (413, "body over max_body_bytes"),
+                        (404, "unknown model or path"),
+                        (408, "body stalled for body_idle_timeout_s"),
+                        (413, "body over max_body_bytes"),
                         (429, "rate limit or overload"), (499, "the client left"),
                         (500, "internal error"), (502, "engine failed"),
                         (503, "no replica")):

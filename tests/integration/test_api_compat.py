@@ -162,7 +162,38 @@ def test_body_over_the_limit_gets_a_413(service):
 @pytest.fixture(scope="session")
 def sim_service(serve_http_port, model_dir):
     return run_app(serve_http_port, "sim", "/sim", model=str(model_dir), engine="sim",
-                   num_replicas=1, replica_num_cpus=0.1, ingress_num_cpus=0.1)
+                   num_replicas=1, replica_num_cpus=0.1, ingress_num_cpus=0.1,
+                   body_idle_timeout_s=2.0)
+
+
+def test_a_body_that_stops_arriving_gets_a_408_through_serve(sim_service):
+    """A client declares 100 bytes, sends 12 and stalls: through Serve's proxy the router
+    answers a 408 in the OpenAI shape once ``body_idle_timeout_s`` (2 s here) passes
+    without a byte, and serves the next request."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    url = urlsplit(sim_service.url)
+    with socket.create_connection((url.hostname, url.port), timeout=30) as s:
+        s.sendall(f"POST {url.path}/v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                  "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n"
+                  '{"model": "t'.encode())
+        t0 = time.monotonic()
+        answer = b""
+        while b"\r\n\r\n" not in answer or not answer.rstrip().endswith(b"}"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            answer += chunk
+        waited = time.monotonic() - t0
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), answer[:300]
+    assert 1.5 < waited < 20, waited
+    assert b"body_idle_timeout_s" in body and b'"error"' in body
+    ok = sim_service.client.post("/v1/chat/completions", json={
+        "model": "tiny-qwen2", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]})
+    assert ok.status_code == 200
 
 
 FULL_BODY = {

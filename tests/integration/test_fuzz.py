@@ -15,7 +15,7 @@ from tests.conftest import run_app
 
 pytestmark = pytest.mark.integration
 
-EXAMPLES = int(os.environ.get("PREFIX_ROUTER_FUZZ_EXAMPLES", "25"))
+EXAMPLES = int(os.environ.get("ROUTER_FUZZ_EXAMPLES", "25"))
 
 
 @pytest.fixture(scope="module")
