@@ -537,6 +537,33 @@ async def test_a_late_route_script_of_a_request_decided_again_gives_its_count_ba
     await conn.close()
 
 
+async def test_a_late_script_settling_after_a_retry_on_the_same_replica_counts_once(
+        own_redis):
+    """The retry of a request whose first script was late was decided in time, on the
+    replica the late script chose: the retry's script counted the placement (shared). The
+    late script's own count there is not the request's: taken back when it settles, not
+    adopted as a second one."""
+    import redis as sync_redis
+
+    from router.routing.atomic import LateRoute
+
+    ns = "t"
+    settings, conn, index, load, core = _late_setup(own_redis, ns)
+    load.mean_request_life_s = lambda: 30.0
+    admin = sync_redis.Redis.from_url(own_redis.url)
+    await load.placed("a", 30.0, "q1")  # the retry's placement, counted by its script
+    await load._placement_op("placed", "a", 30.0)  # the late script's own: Redis only
+    reply = asyncio.get_running_loop().create_future()
+    reply.set_result([1, 0])  # it chose a, where no block was held
+    late = LateRoute("late", reply, "q1", "r|0", ["a"], list(range(9000, 9004)), 0)
+    assert await core.atomic.settle(late, "a") == "same"
+    assert float(admin.hget(f"{ns}:load", "a:k")) == pytest.approx(1.0, abs=0.01)
+    assert load.local.loads_now(["a"])["a"].placements == pytest.approx(1.0, abs=0.01)
+    assert load.placement_of("q1") == ("a", True)
+    await load.close()
+    await conn.close()
+
+
 async def test_a_late_route_script_of_a_request_that_went_nowhere_leaves_no_lease(own_redis):
     """A route script that ran after its decision had failed (here the fallback's policy
     raised; a cancelled request is the same) holds a lease that no release of the request

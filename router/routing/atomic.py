@@ -158,8 +158,8 @@ class AtomicRoute:
           request's). A later attempt's lease is never ended (``RedisLoadTracker.
           release_attempt``).
         - Its new-prefix placement (a prompt no candidate held): when it chose another
-          replica, or the request's placement is counted at another since (decided again:
-          a retry; or moved), taken back there (``LoadTracker.unplaced``, in Redis only: it was
+          replica, or the request's placement is counted by another decision since
+          (decided again: a retry, there or elsewhere; or moved), taken back there (``LoadTracker.unplaced``, in Redis only: it was
           never mirrored here; the fallback counted the request's own in this router's
           counts); when it chose the request's replica, kept, and adopted here as the
           request's placement (in place of the fallback's local count of it, if any).
@@ -192,11 +192,12 @@ class AtomicRoute:
         if placed_new_prefix(late.block_hashes, res[1:1 + len(late.replicas)]):
             # it counted a new prefix in Redis, never mirrored here
             window = self.load.mean_request_life_s()
-            # not where the request went, or where it is no more (decided again, or moved
-            # since: its placement is counted elsewhere): taken back (the fallback's is
-            # local)
+            # not where the request went, or not the request's count any more (decided
+            # again, or moved since: its placement is counted elsewhere, or shared by a
+            # later decision): taken back. The request's own is the fallback's local count
+            # there, or none.
             held = self.load.placement_of(late.request_id)
-            if moved or (held is not None and held[0] != chosen):
+            if moved or held not in (None, (chosen, False)):
                 await self.load.unplaced(chosen, window, mirror=False)
             else:  # where it went: it stays, and is the request's placement here too
                 self.load.adopt_placement(
