@@ -479,21 +479,29 @@ async def test_a_route_script_that_answers_late_has_its_prediction_moved_to_the_
     await conn.close()
 
 
+async def _late_first_decision(own_redis, ns: str, first_hash: int):
+    """Request ``q1``, a new prefix of 20 blocks from ``first_hash``, decided while Redis
+    pauses its writes: its route script is late and the fallback sends it to ``a``, the
+    one candidate. Returns ``(conn, load, core, admin, hashes)``."""
+    import redis as sync_redis
+    settings, conn, index, load, core = _late_setup(own_redis, ns)
+    admin = sync_redis.Redis.from_url(own_redis.url)
+    hashes = list(range(first_hash, first_hash + 20))
+    admin.execute_command("CLIENT", "PAUSE", 300, "WRITE")
+    d = await core.decide("q1", len(hashes) * 32, hashes, [ReplicaInfo("a", {}, {})])
+    assert (d.replica, d.reason) == ("a", "fallback")
+    return conn, load, core, admin, hashes
+
+
 async def test_a_late_route_script_that_chose_the_requests_replica_keeps_its_count(own_redis):
     """A new prefix, one replica: the late script and the fallback both place it there. The
     script's shared count stays (the placement happened), and this router takes it as the
     request's in place of the fallback's own local count: one count, shared, both in Redis
     and here; the request's later move takes it along."""
-    import redis as sync_redis
     from router.routing import core as core_module
 
     ns = "t"
-    settings, conn, index, load, core = _late_setup(own_redis, ns)
-    admin = sync_redis.Redis.from_url(own_redis.url)
-    hashes = list(range(5000, 5020))
-    admin.execute_command("CLIENT", "PAUSE", 300, "WRITE")
-    d = await core.decide("q1", len(hashes) * 32, hashes, [ReplicaInfo("a", {}, {})])
-    assert (d.replica, d.reason) == ("a", "fallback")
+    conn, load, core, admin, hashes = await _late_first_decision(own_redis, ns, 5000)
     assert load.placement_of("q1") == ("a", False)  # the fallback's, local only
     await _settled(core_module)
     # counts decay over the mean request life, here the 0.3 s of the pause: one count
@@ -515,16 +523,10 @@ async def test_a_late_route_script_of_a_request_decided_again_gives_its_count_ba
     a, as the script does), the attempt fails and the request is decided again among the
     others (b). The first script's count at a is not the request's any more: taken back
     when it settles, not adopted; the request counts once, at b."""
-    import redis as sync_redis
     from router.routing import core as core_module
 
     ns = "t"
-    settings, conn, index, load, core = _late_setup(own_redis, ns)
-    admin = sync_redis.Redis.from_url(own_redis.url)
-    hashes = list(range(7000, 7020))
-    admin.execute_command("CLIENT", "PAUSE", 300, "WRITE")
-    d = await core.decide("q1", len(hashes) * 32, hashes, [ReplicaInfo("a", {}, {})])
-    assert (d.replica, d.reason) == ("a", "fallback")
+    conn, load, core, admin, hashes = await _late_first_decision(own_redis, ns, 7000)
     d = await core.decide("q1", len(hashes) * 32, hashes, [ReplicaInfo("b", {}, {})])
     assert (d.replica, d.reason) == ("b", "fallback")
     await _settled(core_module)
