@@ -687,9 +687,10 @@ class _UnknownVariables(PydanticBaseSettingsSource):
 def _takes_nested(annotation: Any) -> bool:
     """Whether a field of this type takes nested values (``Optional`` and ``Union``
     unwrapped): a dict, list, tuple or set, or a pydantic model."""
+    import types
     import typing
     origin = typing.get_origin(annotation)
-    if origin is typing.Union or (origin is not None and origin.__name__ == "UnionType"):
+    if origin is typing.Union or origin is types.UnionType:
         return any(_takes_nested(a) for a in typing.get_args(annotation))
     if origin is typing.Annotated:
         return _takes_nested(typing.get_args(annotation)[0])

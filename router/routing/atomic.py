@@ -159,10 +159,11 @@ class AtomicRoute:
           release_attempt``).
         - Its new-prefix placement (a prompt no candidate held): when it chose another
           replica, or the request's placement is counted by another decision since
-          (decided again: a retry, there or elsewhere; or moved), taken back there (``LoadTracker.unplaced``, in Redis only: it was
-          never mirrored here; the fallback counted the request's own in this router's
-          counts); when it chose the request's replica, kept, and adopted here as the
-          request's placement (in place of the fallback's local count of it, if any).
+          (decided again: a retry, there or elsewhere; or moved), taken back there
+          (``LoadTracker.unplaced``, in Redis only: it was never mirrored here; the
+          fallback counted the request's own in this router's counts); when it chose the
+          request's replica, kept, and adopted here as the request's placement (in place
+          of the fallback's local count of it, if any).
 
         Caveat: a request decided between the script and this correction that followed
         its entries to its replica loses them there (``routed`` has them too, and the
