@@ -15,6 +15,11 @@ Usage (from the repository root, on a host of the Ray cluster)::
     .venv/bin/python -m deploy.stop                     # the application "prefix-router"
     .venv/bin/python -m deploy.stop --app my-app --address ray://head:10001
 
+``--address auto`` (the default) is Ray's own lookup: ``RAY_ADDRESS``, then the cluster
+``ray start`` recorded, then any running on the host; with several Ray clusters on one host
+it may find another than the service's (it then names the applications it found there and
+deletes nothing): give the service's GCS address.
+
 Exit status: 0 once the application is deleted (or was not running), 1 when Ray could not
 be reached; any other error is raised (a traceback, exit status 1). Under systemd, give the
 unit a ``TimeoutStopSec`` above ``drain_timeout_s + 30`` (90 s by default, systemd's own
@@ -46,9 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     from ray.serve.exceptions import RayServeException
     try:
         try:
-            running = a.app in serve.status().applications
-        except RayServeException:  # no Serve instance on the cluster: nothing to delete
-            running = False
+            apps = serve.status().applications
+        except RayServeException as exc:  # no Serve instance on the cluster
+            print(f"no Serve on the Ray cluster at {a.address}: {exc}", file=sys.stderr)
+            apps = {}
+        running = a.app in apps
+        if not running:
+            print(f"applications on the Ray cluster at {a.address}: {sorted(apps)}",
+                  file=sys.stderr)
         if running:
             serve.delete(a.app)  # returns once its replicas have finished and stopped
         print(f"application {a.app!r} " + ("deleted: its requests in flight finished"

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import httpx
 
@@ -22,7 +23,8 @@ pytestmark = pytest.mark.integration
 
 def _ours(pgid_before: set[int]) -> list[str]:
     """Processes of the service still running: engines, their guards, Ray, serve run."""
-    out = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True).stdout
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True,  # whole lines
+                         text=True).stdout
     keys = ("replicas.sim.server", "replicas.engine_guard", "VLLM::", "vllm.entrypoints",
             "raylet", "gcs_server", "serve run")
     return [line for line in out.splitlines()[1:]
@@ -50,6 +52,22 @@ def _start(tmp_path, **env_extra) -> tuple[subprocess.Popen, int]:
         os.killpg(proc.pid, signal.SIGKILL)
         raise
     return proc, port
+
+
+def _gcs_address(pgid: int) -> str:
+    """The Ray cluster that ``deploy/run.sh`` (process group ``pgid``) started: its GCS's
+    ``host:port``. The test session may run a Ray cluster of its own, which
+    ``ray.init("auto")`` could find instead. Read from the GCS server's
+    ``--session-dir`` and ``--node-ip-address`` and the port file Ray keeps there."""
+    out = subprocess.run(["ps", "-ww", "-eo", "pgid,args"], capture_output=True,
+                         text=True).stdout
+    for line in out.splitlines()[1:]:
+        group, _, args = line.strip().partition(" ")
+        if int(group) == pgid and "gcs_server" in args.split(" ", 1)[0]:
+            opts = dict(a.split("=", 1) for a in args.split() if a.startswith("--") and "=" in a)
+            (port_file,) = Path(opts["--session-dir"]).glob("gcs_server_port_*")
+            return f"{opts['--node-ip-address']}:{port_file.read_text().strip()}"
+    raise AssertionError("no GCS server in the service's process group")
 
 
 def _stop(proc: subprocess.Popen, sig: int, before: set[int]) -> None:
@@ -97,7 +115,8 @@ def test_the_stop_command_lets_a_stream_in_flight_finish(tmp_path):
         t = threading.Thread(target=stream)
         t.start()
         wait_until(lambda: "status" in out, 30, 0.05, "the stream to start")
-        stopped = subprocess.run([sys.executable, "-m", "deploy.stop"], cwd=ROOT,
+        stopped = subprocess.run([sys.executable, "-m", "deploy.stop", "--address",
+                                  _gcs_address(proc.pid)], cwd=ROOT,
                                  capture_output=True, text=True, timeout=180,
                                  env={**os.environ, "RAY_AUTH_MODE": "disabled"})
         t.join(60)
