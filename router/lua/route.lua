@@ -8,7 +8,8 @@
 -- hash block -> expiry ms (predicted). A candidate's match is read with HMGETs of 1, 16,
 -- then 64 hashes at a time that stop at its first missing block, so the cost grows with
 -- the candidates' matched lengths, not with the prompt length times the replica count; the
--- predicted hash is read only past the end of the exact run.
+-- predicted hash is read only past the end of the exact run, and past it the exact hash only
+-- where a predicted entry does not decide a block.
 --
 -- KEYS (the key names are router/redis_keys.py's):
 --   [1..2n]  per candidate, its exact hash then its predicted hash (n candidates)
@@ -60,20 +61,40 @@ local function held_prefix(xkey, pkey, half)
   while i < nblocks do
     local last = math.min(i + chunk, nblocks)
     upto(last)
-    local ex = redis.call('HMGET', xkey, unpack(H, i + 1, last))
     local n = last - i
-    local k = 1
-    while k <= n and ex[k] do k = k + 1 end  -- exact entries exist only with copies >= 1
-    if k <= n then
-      exact = exact or (i + k - 1)
-      -- the exact run ends inside this chunk: the rest may still be held as predicted
-      local pr = redis.call('HMGET', pkey, unpack(H, i + k, last))
-      for m = k, n do
-        local e = pr[m - k + 1]
-        e = e and tonumber(e)
-        if not fresh and not (ex[m] or (e and e > half)) then fresh = i + m - 1 end
-        if not (ex[m] or (e and e > now)) then return i + m - 1, exact, fresh or (i + m - 1) end
+    -- ex[m], pr[m]: block i + m's exact and predicted entries (false or nil: none, or not
+    -- read because the other entry decides the block); blocks k..n are checked below
+    local ex, pr, k = {}, {}, 1
+    if not exact then
+      -- inside the exact run: the exact entries first (with KV events an engine's served
+      -- prefix is held exactly), the predicted ones from the first block not held exactly
+      ex = redis.call('HMGET', xkey, unpack(H, i + 1, last))
+      while k <= n and ex[k] do k = k + 1 end  -- exact entries exist only with copies >= 1
+      if k <= n then
+        exact = i + k - 1
+        local p = redis.call('HMGET', pkey, unpack(H, i + k, last))
+        for m = k, n do pr[m] = p[m - k + 1] end
       end
+    else
+      -- past the exact run: the predicted entries first (a fleet without KV events holds
+      -- every block so), the exact ones only from the first block that its predicted entry
+      -- does not decide: not held, or held but not fresh while the fresh run is still open
+      pr = redis.call('HMGET', pkey, unpack(H, i + 1, last))
+      k = n + 1
+      for m = 1, n do
+        local e = pr[m] and tonumber(pr[m])
+        if not (e and (e > half or (fresh and e > now))) then k = m; break end
+      end
+      if k <= n then
+        local x = redis.call('HMGET', xkey, unpack(H, i + k, last))
+        for m = k, n do ex[m] = x[m - k + 1] end
+      end
+    end
+    for m = k, n do
+      local e = pr[m]
+      e = e and tonumber(e)
+      if not fresh and not (ex[m] or (e and e > half)) then fresh = i + m - 1 end
+      if not (ex[m] or (e and e > now)) then return i + m - 1, exact, fresh or (i + m - 1) end
     end
     i = last
     if chunk == 1 then chunk = 16 else chunk = 64 end
