@@ -48,8 +48,9 @@ class PromptRest:
         """The rest's token ids (exactly what encoding the whole text would give after the
         head's ids)."""
         out: list[int] = []
-        if self.chunks:
-            out = self.encoder._encode_chunks(self.chunks)
+        if self.chunks:  # the last one is the piece's uncut rest (SegmentEncoder._chunks)
+            out = self.encoder._encode_chunks(
+                self.chunks[:-1] + self.encoder._cut(self.chunks[-1]))
             if self.crossing is not None:
                 piece, head_ids = self.crossing
                 self.encoder._store(piece, head_ids + out)
@@ -157,11 +158,14 @@ class SegmentEncoder:
             self._backend.encode(sample, add_special_tokens=False).ids
 
     @staticmethod
-    def _chunks(text: str, size: int) -> list[str] | None:
+    def _chunks(text: str, size: int, upto: int | None = None) -> list[str] | None:
         """``text`` cut before single spaces that follow a non-space and precede a letter,
-        at about every ``size`` characters; None if no such cut exists."""
+        at about every ``size`` characters; None if no such cut exists. With ``upto``, the
+        cutting stops once the chunks cover ``upto`` characters and the last chunk is the
+        rest of the text, uncut (a long prompt's head: its rest is cut when it is encoded,
+        if ever)."""
         cuts, pos = [0], size
-        while pos < len(text) - 1:
+        while pos < len(text) - 1 and (upto is None or cuts[-1] < upto):
             i = text.find(" ", pos)
             while i != -1 and i < len(text) - 1 and not (
                     not text[i - 1].isspace() and text[i + 1].isalpha()):
@@ -175,13 +179,18 @@ class SegmentEncoder:
         cuts.append(len(text))
         return [text[a:b] for a, b in zip(cuts, cuts[1:])]
 
-    def _encode_piece(self, piece: str) -> list[int]:
-        """A long piece's ids through ``encode_batch``, which releases the GIL (``encode``
-        holds it: a long prompt would stop the event loop and every other request)."""
+    def _cut(self, piece: str) -> list[str]:
+        """``piece`` in chunks of about ``chunk_chars`` to encode in parallel, when it is
+        long and this tokenizer's pieces may be cut; else ``[piece]``."""
         chunks = None
         if self.chunked and len(piece) > 2 * self.chunk_chars:
             chunks = self._chunks(piece, self.chunk_chars)
-        return self._encode_chunks(chunks or [piece])
+        return chunks or [piece]
+
+    def _encode_piece(self, piece: str) -> list[int]:
+        """A long piece's ids through ``encode_batch``, which releases the GIL (``encode``
+        holds it: a long prompt would stop the event loop and every other request)."""
+        return self._encode_chunks(self._cut(piece))
 
     def _encode_chunks(self, chunks: list[str]) -> list[int]:
         """The concatenated ids of ``chunks``, encoded by ``encode_batch`` on the tokenizer's
@@ -268,7 +277,7 @@ class SegmentEncoder:
         if (len(piece) <= room_chars or len(piece) <= 2 * self.chunk_chars
                 or self._cached(piece) is not None):
             return None
-        chunks = self._chunks(piece, min(self.chunk_chars, max(head_chars, 256)))
+        chunks = self._chunks(piece, min(self.chunk_chars, max(head_chars, 256)), room_chars)
         return False if chunks is None else chunks
 
     @staticmethod
