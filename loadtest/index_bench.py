@@ -133,8 +133,9 @@ async def bench_turns(url: str, turns: int = 3000, conversations: int = 32,
     it (every held block a predicted entry): ``conversations`` of 40 blocks (1,280 tokens)
     growing by 3 blocks a turn, cut back to 40 past 100, each turn routed over
     ``n_replicas`` and released. Per turn: the Redis time of the route and the release
-    (``script_usec``, us), the ``HSCAN`` calls of the predicted entries' sweep (``INFO
-    commandstats``); at the end the predicted fields held (``HLEN``). ``ttl_s``: the
+    (``script_usec``, us), the ``HSCAN`` calls of the predicted entries' sweep, and the
+    ``HMGET`` calls and their own Redis time (the candidates' walks inside the route
+    script; ``INFO commandstats``); at the end the predicted fields held (``HLEN``). ``ttl_s``: the
     predicted entries' TTL (s)."""
     ns = f"bench-{uuid.uuid4().hex[:6]}"
     conn = RedisConnections(url, 5.0)
@@ -146,10 +147,14 @@ async def bench_turns(url: str, turns: int = 3000, conversations: int = 32,
     convs = [[rng.getrandbits(63) for _ in range(40)] for _ in range(conversations)]
     stats = redis.asyncio.Redis.from_url(url)
 
-    async def hscans() -> int:
-        return int((await stats.info("commandstats")).get("cmdstat_hscan", {}).get("calls", 0))
+    async def inner() -> tuple[int, int, float]:
+        """HSCAN calls (the sweep's), HMGET calls and their Redis time (us: the walks')."""
+        info = await stats.info("commandstats")
+        hmget = info.get("cmdstat_hmget", {})
+        return (int(info.get("cmdstat_hscan", {}).get("calls", 0)),
+                int(hmget.get("calls", 0)), float(hmget.get("usec", 0)))
 
-    us0, scans0 = await script_usec(stats), await hscans()
+    us0, (scans0, hmgets0, hmget_us0) = await script_usec(stats), await inner()
     for k in range(turns):
         conv = convs[k % conversations]
         conv.extend(rng.getrandbits(63) for _ in range(3))
@@ -161,7 +166,9 @@ async def bench_turns(url: str, turns: int = 3000, conversations: int = 32,
                            step_token_budget=8192, tie_abs_s=0.002, tie_rel=0.05,
                            u=rng.random())
         await load.release(f"q{k}")
-    us, scans = (await script_usec(stats)) - us0, (await hscans()) - scans0
+    us = (await script_usec(stats)) - us0
+    scans, hmgets, hmget_us = await inner()
+    scans, hmgets, hmget_us = scans - scans0, hmgets - hmgets0, hmget_us - hmget_us0
     fields = 0
     for r in replicas:
         fields += await stats.hlen(index.keys.predicted(r))
@@ -171,6 +178,7 @@ async def bench_turns(url: str, turns: int = 3000, conversations: int = 32,
     await conn.close()
     return {"turns": turns, "conversations": conversations, "replicas": n_replicas,
             "ttl_s": ttl_s, "redis_us_per_turn": us / turns, "hscan_calls": scans,
+            "hmget_calls_per_turn": hmgets / turns, "hmget_us_per_turn": hmget_us / turns,
             "predicted_fields": fields}
 
 
@@ -887,10 +895,12 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), flush=True)
         text = one_row_table(
             ["turns", "conversations", "replicas", "predicted TTL (s)",
-             "Redis time per turn, route + release (us)", "sweep HSCAN calls",
-             "predicted fields at the end"],
+             "Redis time per turn, route + release (us)", "HMGET calls / time per turn (us)",
+             "sweep HSCAN calls", "predicted fields at the end"],
             [row['turns'], row['conversations'], row['replicas'], f"{row['ttl_s']:.0f}",
-             f"{row['redis_us_per_turn']:.1f}", row['hscan_calls'], row['predicted_fields']])
+             f"{row['redis_us_per_turn']:.1f}",
+             f"{row['hmget_calls_per_turn']:.1f} / {row['hmget_us_per_turn']:.1f}",
+             row['hscan_calls'], row['predicted_fields']])
         print(text)
         if not a.no_doc:
             write_benchmark_doc("Redis index: multi-turn replay" + a.suffix, cmd.strip(), text,
