@@ -363,29 +363,33 @@ async def test_a_prompt_sent_again_refreshes_its_predicted_entries_once_per_half
 async def test_the_held_prefix_walk_agrees_with_its_definition_on_mixed_entries(
         redis_pair, seed):
     """A candidate's match (lookup) and the predicted entries a route writes, on random
-    mixes of exact entries and predicted ones (expired, live with under half the TTL left,
-    live with more), against the definitions: matched = the leading blocks held exactly or
-    by a live predicted entry; the route writes every block of the prompt past the
-    leading blocks that are held exactly or predicted with more than half the TTL left.
-    The walk reads each chunk's exact or predicted entries first by what held the chunk
-    before (lua/route.lua ``held_prefix``), so runs of each kind and switches between them
-    mid-chunk are covered: prompts of up to 150 blocks cross the 1, 16 and 64-block
-    reads."""
+    mixes of exact entries and predicted ones (expired, expiring now, live with under half
+    the TTL left or exactly half, live with more), alone or beside an exact entry, against
+    the definitions: matched = the leading blocks held exactly or by a live predicted entry
+    (expiry > now); the route writes every block past the leading blocks held exactly or
+    predicted with more than half the TTL left (expiry > now + TTL / 2). The walk reads a
+    chunk's exact or predicted entries first by where it is (lua/route.lua ``held_prefix``),
+    so runs of each kind and switches between them mid-chunk are covered: prompts of up to
+    150 blocks cross the 1, 16 and 64-block reads."""
     index, load, clock = redis_pair
     rng = random.Random(seed)
     client = index.conn.client()
     ttl_ms = 10_000
     now = int(clock.now() * 1000)
+    expiry = {"p_fresh": now + ttl_ms * 3 // 4, "p_half": now + ttl_ms // 2,
+              "p_stale": now + ttl_ms // 4, "p_now": now, "p_expired": now - 1}
+    held = {"x", "p_fresh", "p_half", "p_stale"}  # with or without an exact entry beside
+    fresh_kinds = {"x", "p_fresh"}
+    kinds = ["x", "none", *expiry, *(f"x+{k}" for k in expiry)]
     atomic, p = AtomicRoute(index, load), PrefixAware()
-    for case in range(8):
+    for case in range(10):
         n = rng.choice([1, 2, 17, 18, 80, 81, 150])
         hashes = [rng.getrandbits(64) for _ in range(n)]
-        # per block: (exact?, predicted expiry or None); runs of one state, then a switch
-        states, k = [], 0
+        states, k = [], 0  # per block: runs of one state, then a switch
         while k < n:
             run = rng.choice([1, 3, 15, 16, 40, 70])
-            kind = rng.choice(["x", "p_fresh", "p_stale", "p_expired", "xp", "none"])
-            if kind == "none" and rng.random() < 0.7:
+            kind = rng.choice(kinds)
+            if kind in ("none", "p_now", "p_expired") and rng.random() < 0.7:
                 kind = "p_fresh"  # keep most walks going past their first miss
             states += [kind] * min(run, n - k)
             k += run
@@ -393,33 +397,27 @@ async def test_the_held_prefix_walk_agrees_with_its_definition_on_mixed_entries(
         x_fields, p_fields = {}, {}
         for h, kind in zip(hashes, states):
             field = h.to_bytes(8, "big")
-            if kind in ("x", "xp"):
+            if kind == "x" or kind.startswith("x+"):
                 x_fields[field] = 1
-            if kind == "p_fresh" or kind == "xp":
-                p_fields[field] = now + ttl_ms  # more than half the TTL left
-            elif kind == "p_stale":
-                p_fields[field] = now + ttl_ms // 4  # live, under half left
-            elif kind == "p_expired":
-                p_fields[field] = now - 1
+            if kind.removeprefix("x+") in expiry:
+                p_fields[field] = expiry[kind.removeprefix("x+")]
         if x_fields:
             await client.hset(index.keys.exact(replica), mapping=x_fields)
         if p_fields:
             await client.hset(index.keys.predicted(replica), mapping=p_fields)
 
-        def first(pred) -> int:
-            return next((i for i, kind in enumerate(states) if not pred(kind)), n)
+        def run_of(ok) -> int:
+            return next((i for i, kind in enumerate(states) if not ok(kind)), n)
 
-        matched = first(lambda kind: kind in ("x", "xp", "p_fresh", "p_stale"))
-        fresh = first(lambda kind: kind in ("x", "xp", "p_fresh"))
+        matched = run_of(lambda kind: kind.startswith("x") or kind in held)
+        fresh = run_of(lambda kind: kind.startswith("x") or kind in fresh_kinds)
         assert (await index.lookup(hashes, [replica]))[replica] == matched, (case, states)
         chosen, got = await atomic.route(f"m{seed}-{case}", n * BS, hashes, [replica],
                                          [ttl_ms / 1000], **route_kwargs(p, 0.0))
         assert got == {replica: matched}
         after = await client.hgetall(index.keys.predicted(replica))
-        written = {int.from_bytes(f, "big") for f, v in after.items()
-                   if int(v) == now + ttl_ms and p_fields.get(f) != now + ttl_ms}
-        assert written == set(hashes[fresh:]) - {
-            h for h, kind in zip(hashes, states) if kind in ("p_fresh", "xp")}, (case, states)
+        written = {int.from_bytes(f, "big") for f, v in after.items() if int(v) == now + ttl_ms}
+        assert written == set(hashes[fresh:]), (case, states)
         await load.release(f"m{seed}-{case}")
 
 

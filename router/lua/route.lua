@@ -48,14 +48,15 @@ local function upto(k)
   if k > parsed then parsed = k end
 end
 
--- 1. matched prefix per candidate: leading blocks held (exact or unexpired predicted), and
---    leading blocks held exactly (the predicted entries written in 5 start past those). The
+-- 1. matched prefix per candidate: leading blocks held (exact or unexpired predicted). The
 --    first read is the first block alone (most candidates do not hold a prompt's first
 --    block, and the chained hashes mean they then hold none of it), then 16, then 64 at a
 --    time.
 --    Also the leading blocks that need no new predicted entry ("fresh": held exactly, or
 --    predicted with more than half of the candidate's TTL left, past ``half``): a prompt
 --    sent again and again refreshes its entries once per half TTL, not on every request.
+--    ``half`` >= ``now`` (a TTL is positive: Settings), so an entry past ``half`` is held.
+--    Returns the matched and the fresh run (blocks).
 local function held_prefix(xkey, pkey, half)
   local i, chunk, exact, fresh = 0, 1, nil, nil
   while i < nblocks do
@@ -94,18 +95,18 @@ local function held_prefix(xkey, pkey, half)
       local e = pr[m]
       e = e and tonumber(e)
       if not fresh and not (ex[m] or (e and e > half)) then fresh = i + m - 1 end
-      if not (ex[m] or (e and e > now)) then return i + m - 1, exact, fresh or (i + m - 1) end
+      if not (ex[m] or (e and e > now)) then return i + m - 1, fresh or (i + m - 1) end
     end
     i = last
     if chunk == 1 then chunk = 16 else chunk = 64 end
   end
-  return nblocks, exact or nblocks, fresh or nblocks
+  return nblocks, fresh or nblocks
 end
 local F = 23  -- route mode: fixed arguments before the per-candidate ones (TTLs, free KV, ids)
-local matched, exact_run, fresh_run = {}, {}, {}
+local matched, fresh_run = {}, {}
 for j = 1, nc do
   local half = mode == 'route' and now + tonumber(ARGV[F + j]) / 2 or now
-  matched[j], exact_run[j], fresh_run[j] = held_prefix(KEYS[2 * j - 1], KEYS[2 * j], half)
+  matched[j], fresh_run[j] = held_prefix(KEYS[2 * j - 1], KEYS[2 * j], half)
 end
 if mode == 'lookup' then
   local out = {0}
