@@ -55,10 +55,11 @@ and the others hold other prompts' blocks (a conversation's follow-up turn); *ad
 every replica holds a random-length part of the same prefix, so every candidate's walk is
 long. Every replica also holds 4,096 blocks of other prompts, so its Redis hash has the
 encoding of a serving engine's (a hash table, not a small listpack whose lookups are
-linear). The lookup reads each candidate's held prefix in HMGETs of 16 then 64 hashes and
-stops at its first missing block, so its cost grows with the sum of the candidates' matched
-lengths; the atomic route adds the load reservation and the predicted-entry writes for
-every block of the prompt. Ingestion is far above what engines publish (an H200 prefilling
+linear). The lookup reads the holders of the prompt's first block, then each listed
+candidate's held prefix (its first block, then HMGETs of 16 and 64 hashes) and stops at its
+first missing block, so its cost grows with the sum of the listed candidates' matched
+lengths; the atomic route adds the load reservation and the predicted-entry writes past the
+chosen replica's fresh run. Ingestion is far above what engines publish (an H200 prefilling
 30k tokens/s at block 16 stores about 2k blocks/s)."""
 
 TURNS_NOTES = """Reading: ``bench_turns`` replays multi-turn chat through the atomic route

@@ -5,6 +5,7 @@ On one Redis the keys of the index and of the load are as listed below. With sha
 (``Settings.index_shard_groups``, the Redis Cluster mode; ``ShardGroups``), each of them
 that the route script touches carries its group's hash tag instead: ``<ns>:{<tag>}:x:<replica>``,
 ``<ns>:{<tag>}:p:<replica>``, ``<ns>:{<tag>}:gone:<replica>``, ``<ns>:{<tag>}:replicas``,
+``<ns>:{<tag>}:roots``,
 ``<ns>:{<tag>}:load``, ``<ns>:{<tag>}:leases``, ``<ns>:{<tag>}:router:<id>``, so that a
 group's keys hash to one slot, hence one shard (Redis Cluster hashes only the part in
 braces: redis.io/docs/latest/operate/oss_and_stack/reference/cluster-spec/, "Hash tags").
@@ -24,6 +25,11 @@ Block hashes are field names of 8 bytes (the 64-bit hash, big-endian: ``block_fi
   refuses the replica's writes, so a feed that still runs during its replica's shutdown, or
   that takes the purge for a lost index and rebuilds, cannot bring its entries back (Serve
   never reuses a replica id);
+* ``<ns>:roots``: hash ``root block hash -> its holders`` (each replica id followed by a
+  zero byte): the replicas that may hold a prompt's first block, exactly or predicted; every
+  replica that holds it is listed, some listed may not hold it any more (``lua/roots.lua``;
+  the route script walks only the listed candidates; a sweep beside it,
+  ``<ns>:roots:cursor`` and ``<ns>:roots:swept``, drops those that hold it no more);
 * ``<ns>:replicas``: set of the replicas with entries (for ``stats``);
 * ``<ns>:load``: hash with ``<replica>:n`` (requests in flight), ``<replica>:p`` (queued
   prefill tokens), ``<replica>:t`` (time of its last assignment, ms) (``LoadField``);
@@ -88,6 +94,12 @@ class RedisKeys:
     def predicted(self, replica: str) -> str:
         """The replica's predicted entries (block hash -> expiry ms)."""
         return f"{self.base}:p:{replica}"
+
+    @property
+    def roots(self) -> str:
+        """The root holders: a prompt's first block -> the replicas that may hold it
+        (``lua/roots.lua``; the route script walks only those)."""
+        return f"{self.base}:roots"
 
     def replica_entries(self, replica: str) -> list[str]:
         """The replica's exact then predicted hash: the pair ``lua/route.lua`` reads per

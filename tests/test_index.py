@@ -53,7 +53,8 @@ async def index(request):
 
 
 def stored(*hs, parent=0):
-    """BlockStored of ``hs`` after block ``parent`` (None: a run from block 0)."""
+    """BlockStored of ``hs`` after block ``parent`` (None: a run from block 0, as the engine
+    stores a prompt's first block: its hash is the root of the prompt's chain)."""
     return KVEvent("stored", list(hs), parent)
 
 
@@ -85,7 +86,7 @@ async def test_predicted_expiry_only_moves_later(index):
 
 async def test_match_stops_at_first_missing_block(index):
     """docs/fault-cases.md 2.4: blocks 1..3 stored, block 1 evicted: nothing is reusable."""
-    await index.apply_events("A", [stored(1, 2, 3)])
+    await index.apply_events("A", [stored(1, 2, 3, parent=None)])
     assert (await index.lookup([1, 2, 3], ["A"]))["A"] == 3
     await index.apply_events("A", [removed(1)])
     assert (await index.lookup([1, 2, 3], ["A"]))["A"] == 0
@@ -95,7 +96,7 @@ async def test_match_stops_at_first_missing_block(index):
 
 async def test_removing_one_physical_copy_keeps_the_other(index):
     """The engine can hold two blocks with one hash; one BlockRemoved leaves one copy."""
-    await index.apply_events("A", [stored(7, 8), stored(8)])
+    await index.apply_events("A", [stored(7, 8, parent=None), stored(8, parent=7)])
     await index.apply_events("A", [removed(8)])
     assert (await index.lookup([7, 8], ["A"]))["A"] == 2
     await index.apply_events("A", [removed(8)])
@@ -120,7 +121,7 @@ async def test_new_blocks_after_a_reannounced_prefix_count_normally(index):
 
 async def test_removal_of_unknown_block_is_ignored(index):
     await index.apply_events("A", [removed(99)])
-    await index.apply_events("A", [stored(99)])
+    await index.apply_events("A", [stored(99, parent=None)])
     assert (await index.lookup([99], ["A"]))["A"] == 1
 
 
@@ -150,7 +151,7 @@ async def test_exact_and_predicted_entries_combine(index):
 
 async def test_exact_entry_outlives_a_predicted_ttl_on_the_same_block(index):
     await index.record_predicted("A", [1], ttl_s=1)
-    await index.apply_events("B", [stored(1)])
+    await index.apply_events("B", [stored(1, parent=None)])
     index.clock.advance(5)
     assert await index.lookup([1], ["A", "B"]) == {"A": 0, "B": 1}
 
@@ -254,3 +255,92 @@ def test_a_fresh_predicted_entry_is_left_as_it_is_with_fresh_s():
     assert index.lookup_now([1, 2, 3], ["g"]) == {"g": 1}
     index.record_predicted_now("g", [2], 10.0)  # without fresh_s: written again as before
     assert index.lookup_now([1, 2, 3], ["g"]) == {"g": 3}
+
+
+@pytest.mark.parametrize("backend", ["redis", "fakeredis"])
+@pytest.mark.parametrize("seed", range(4))
+async def test_the_redis_index_matches_as_the_memory_index_under_random_realistic_events(
+        backend, seed):
+    """The Redis index walks a candidate only if it is among the holders of the prompt's
+    first block (lua/roots.lua); the memory index walks every candidate. Under random
+    sequences of what engines and routers do (runs stored from block 0 and continued after
+    a parent, removals, clears, predicted entries with random TTLs, forgotten predictions,
+    purges, time passing), both must answer every lookup alike: a holder the list missed
+    would show as a Redis match below the memory one. Prompts share first blocks and
+    prefixes, so a first block has several holders that come and go."""
+    import random
+
+    rng = random.Random(seed)
+    clock = ManualClock(time.time())
+    memory = MemoryPrefixIndex(clock=clock)
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    redis_index = RedisPrefixIndex(REDIS_URL, namespace=ns, timeout_s=2.0, clock=clock)
+    if backend == "fakeredis":
+        import fakeredis
+        fake = fakeredis.FakeAsyncRedis()
+        redis_index.conn.client = lambda *timeout: fake
+    roots = [rng.getrandbits(63) for _ in range(4)]
+    prompts = []
+    for i in range(10):
+        if prompts and rng.random() < 0.4:  # a longer turn of an earlier prompt
+            base = rng.choice(prompts)
+            prompts.append(base[:rng.randrange(1, len(base) + 1)]
+                           + [rng.getrandbits(63) for _ in range(rng.randrange(1, 20))])
+        else:
+            prompts.append([roots[i % len(roots)]]
+                           + [rng.getrandbits(63) for _ in range(rng.randrange(0, 40))])
+    replicas = ["A", "B", "C"]
+    both = (memory, redis_index)
+    try:
+        for step in range(150):
+            r, prompt = rng.choice(replicas), rng.choice(prompts)
+            k = rng.randrange(1, len(prompt) + 1)
+            op = rng.random()
+            if op < 0.3:  # the engine computes a prompt's first k blocks
+                start = rng.randrange(0, k)
+                ev = KVEvent("stored", prompt[start:k], prompt[start - 1] if start else None)
+                for index in both:
+                    await index.apply_events(r, [ev])
+            elif op < 0.5:  # it evicts some of them
+                gone = rng.sample(prompt, rng.randrange(1, min(len(prompt), 8) + 1))
+                for index in both:
+                    await index.apply_events(r, [removed(*gone)])
+            elif op < 0.75:
+                ttl = rng.choice([0.5, 2.0, 10.0])
+                for index in both:
+                    await index.record_predicted(r, prompt[:k], ttl_s=ttl)
+            elif op < 0.82:
+                for index in both:
+                    await index.forget_predicted(r, prompt[:k])
+            elif op < 0.86:
+                for index in both:
+                    await index.apply_events(r, [KVEvent("cleared")])
+            elif op < 0.88:
+                for index in both:
+                    await index.remove_replica(r)
+            else:
+                clock.advance(rng.choice([0.3, 1.0, 4.0]))
+            for prompt in rng.sample(prompts, 3):
+                want = await memory.lookup(prompt, replicas)
+                assert await redis_index.lookup(prompt, replicas) == want, (step, op)
+    finally:
+        await redis_index.flush()
+        await redis_index.close()
+
+
+async def test_the_root_holders_stay_bounded_as_predictions_expire(index):
+    """A fleet without KV events: every request a new prompt, its predictions living 1 s.
+    The holders of first blocks no replica holds any more are swept as new ones are
+    written (lua/roots.lua), so the list stays about as large as what is live."""
+    if not isinstance(index, RedisPrefixIndex):
+        pytest.skip("the root holders are the Redis index's")
+    import random
+
+    rng = random.Random(5)
+    for k in range(400):
+        await index.record_predicted(rng.choice("AB"), [rng.getrandbits(63) for _ in range(3)],
+                                     ttl_s=1.0)
+        index.clock.advance(0.1)  # 10 new prompts a second
+    client = index.conn.client()
+    sizes = [await client.hlen(k.roots) for k in index.groups.keys]
+    assert sum(sizes) <= 60, sizes  # about 10 live, and a sweep pass behind

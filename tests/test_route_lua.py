@@ -405,6 +405,8 @@ async def test_the_held_prefix_walk_agrees_with_its_definition_on_mixed_entries(
             await client.hset(index.keys.exact(replica), mapping=x_fields)
         if p_fields:
             await client.hset(index.keys.predicted(replica), mapping=p_fields)
+        # the writers name the replica among the root's holders (lua/roots.lua's format)
+        await client.hset(index.keys.roots, hashes[0].to_bytes(8, "big"), f"\0{replica}\0")
 
         def run_of(ok) -> int:
             return next((i for i, kind in enumerate(states) if not ok(kind)), n)

@@ -36,6 +36,8 @@ class MemoryPrefixIndex(PrefixIndex):
         # block hash -> {replica: expiry time (s)}
         self._predicted: dict[int, dict[str, float]] = {}
         self._exact_by_replica: dict[str, set[int]] = {}
+        # replica -> its exact entries stored as a prompt's first block (a run from block 0)
+        self._roots_by_replica: dict[str, set[int]] = {}
         self._expiry_heap: list[tuple[float, int, str]] = []
         self._n_predicted = 0
         self._gone: dict[str, float] = {}  # removed replica -> until when its writes are refused
@@ -157,6 +159,9 @@ class MemoryPrefixIndex(PrefixIndex):
                     continue
                 elif ev.kind is EventKind.STORED:
                     from_root = ev.parent_block_hash is None
+                    if from_root and ev.block_hashes:
+                        self._roots_by_replica.setdefault(replica, set()).add(
+                            ev.block_hashes[0])
                     for h in ev.block_hashes:
                         owners = self._exact.setdefault(h, {})
                         n = owners.get(replica, 0)
@@ -172,12 +177,14 @@ class MemoryPrefixIndex(PrefixIndex):
                         if owners[replica] <= 1:
                             del owners[replica]
                             held.discard(h)
+                            self._roots_by_replica.get(replica, set()).discard(h)
                             if not owners:
                                 del self._exact[h]
                         else:
                             owners[replica] -= 1
 
     def _clear_exact_locked(self, replica: str) -> None:
+        self._roots_by_replica.pop(replica, None)
         for h in self._exact_by_replica.pop(replica, set()):
             owners = self._exact.get(h)
             if owners is not None:
@@ -190,6 +197,12 @@ class MemoryPrefixIndex(PrefixIndex):
         with self._lock:
             return {h: self._exact[h][replica] for h in self._exact_by_replica.get(replica, ())
                     if replica in self._exact.get(h, {})}
+
+    def root_entries(self, replica: str) -> list[int]:
+        """The replica's exact entries that were stored as a prompt's first block (a
+        ``BlockStored`` from block 0): the roots of its prompts' chains (a snapshot)."""
+        with self._lock:
+            return sorted(self._roots_by_replica.get(replica, ()))
 
     async def exact_entry_count(self, replica: str) -> int:
         with self._lock:

@@ -362,8 +362,8 @@ class RedisPrefixIndex(PrefixIndex):
 
         async def one(group: int, reps: list[str]) -> list:
             k = self.groups.keys[group]
-            keys = [key for r in reps for key in k.replica_entries(r)]
-            args = ["lookup", now, len(reps), packed]
+            keys = [key for r in reps for key in k.replica_entries(r)] + [k.roots]
+            args = ["lookup", now, len(reps), packed, *reps]
 
             async def run(client):
                 return await self.scripts.of(client).route(keys=keys, args=args)
@@ -383,7 +383,7 @@ class RedisPrefixIndex(PrefixIndex):
             return
         now = self._now_ms()
         k = self.keys_of(replica)
-        keys = [k.predicted(replica), k.replicas]
+        keys = [k.predicted(replica), k.replicas, k.roots]
         args = [replica, now + int(ttl_s * 1000), now, pack_hashes(block_hashes)]
 
         async def run(client):
@@ -422,7 +422,7 @@ class RedisPrefixIndex(PrefixIndex):
 
     async def _run_events(self, replica: str, ops: list[Any], maintenance: bool = False) -> None:
         k = self.keys_of(replica)
-        keys = k.replica_entries(replica) + [k.replicas, k.gone(replica)]
+        keys = k.replica_entries(replica) + [k.replicas, k.gone(replica), k.roots]
 
         async def run(client):
             return await self.scripts.of(client).apply_events(keys=keys, args=[replica, *ops])

@@ -253,6 +253,11 @@ class EventFeed:
         for copies in range(1, max(held.values(), default=0) + 1):
             hs = [h for h, n in held.items() if n >= copies]
             events.append(KVEvent(EventKind.STORED, hs, parent_block_hash=0))
+        # the prompts' first blocks again as such (a run from block 0 over held blocks adds
+        # no copy): the index walks a replica for a prompt only if it is among the holders
+        # of the prompt's first block (router/lua/roots.lua)
+        events += [KVEvent(EventKind.STORED, [h], parent_block_hash=None)
+                   for h in self.record.root_entries(self.replica_id)]
         try:
             await self.index.apply_events(self.replica_id, events)
         except IndexUnavailable:

@@ -1,11 +1,13 @@
 -- Apply one replica's KV events to its exact entries, in order; also purges a replica.
 -- KEYS[1]: the replica's exact hash (block -> physical copies the engine holds)
--- KEYS[2]: the replica's predicted hash; KEYS[3]: replicas set; KEYS[4]: its tombstone
+-- KEYS[2]: the replica's predicted hash; KEYS[3]: replicas set; KEYS[4]: its tombstone;
+-- KEYS[5]: the root holders hash (roots.lua)
 -- ARGV[1]: replica id; ARGV[2..]: ops, each one of (<hashes>: the event's block hashes as
 -- one argument, 8 bytes each, big-endian: router/redis_keys.py pack_hashes)
 --   "s" <hashes>         BlockStored with a parent: one more physical copy of each hash
 --   "S" <hashes>         BlockStored from block 0: one more copy of each hash not yet held
---                        (a run from block 0 over held blocks is a re-announcement)
+--                        (a run from block 0 over held blocks is a re-announcement); its
+--                        first hash is a root: the replica is among its holders
 --   "r" <hashes>         BlockRemoved: one copy fewer; the entry goes at zero
 --   "c"                  AllBlocksCleared: drop all entries of the replica (its predicted
 --                        ones predate the clear too)
@@ -15,6 +17,7 @@
 --                        routers purged); returns 0 when refused
 -- Counting copies keeps an entry while the engine holds a second physical block with the
 -- same hash (vLLM does not de-duplicate blocks).
+--! include roots.lua
 local xkey, pkey = KEYS[1], KEYS[2]
 if ARGV[2] ~= 'x' and redis.call('EXISTS', KEYS[4]) == 1 then return 0 end
 local purged = false
@@ -29,6 +32,7 @@ while i <= #ARGV do
     purged = true; i = i + 2
   else
     local packed = ARGV[i + 1]
+    if op == 'S' and #packed >= 8 then add_holder(KEYS[5], string.sub(packed, 1, 8), ARGV[1]) end
     for k = 1, #packed, 8 do
       local h = string.sub(packed, k, k + 7)
       if op == 's' then

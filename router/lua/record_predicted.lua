@@ -1,5 +1,6 @@
 -- Predicted entries for one replica, and amortised removal of its expired ones.
--- KEYS[1]: the replica's predicted hash (block -> expiry ms); KEYS[2]: replicas set
+-- KEYS[1]: the replica's predicted hash (block -> expiry ms); KEYS[2]: replicas set;
+-- KEYS[3]: the root holders hash (roots.lua): the hashes are a prompt's from its first
 -- ARGV[1]: replica id; ARGV[2]: expiry (ms); ARGV[3]: now (ms); ARGV[4]: the block hashes,
 -- 8 bytes each, big-endian (router/redis_keys.py pack_hashes)
 -- An entry's expiry only moves later. The hash itself expires with its latest entry; while
@@ -7,6 +8,7 @@
 -- bounded by the TTL times the rate of new blocks. A pass of that sweep ends when its
 -- cursor comes back to 0, and the next starts SWEEP_PAUSE_MS later (sweep.lua).
 --! include sweep.lua
+--! include roots.lua
 
 local key, expiry, now = KEYS[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local hs = {}
@@ -33,4 +35,8 @@ redis.call('PEXPIREAT', key, expiry, 'GT')
 if redis.call('PTTL', key) == -1 then redis.call('PEXPIREAT', key, expiry) end
 redis.call('SADD', KEYS[2], ARGV[1])
 sweep(key, now, 64)  -- sweep.lua
+if #hs > 0 then
+  add_holder(KEYS[3], hs[1], ARGV[1])
+  sweep_roots(KEYS[3], now, 2)
+end
 return #hs

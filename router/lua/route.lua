@@ -17,8 +17,10 @@
 --   :p queued prefill tokens, :t last assignment ms, :k new prefixes placed there, a
 --   decaying count as of :kt ms), [2n+3] lease hash (request id ->
 --   "replica|prefill|done|router|attempt"), [2n+4] this router's heartbeat key
+--   last (both modes): the root holders hash (roots.lua)
 -- ARGV: 1 mode ("lookup" | "route"), 2 now_ms, 3 n, 4 the request's block hashes in prompt
---   order as one string of 8 bytes each (big-endian); route mode only: 5 request_id, 6 lease owner
+--   order as one string of 8 bytes each (big-endian); lookup mode only: 5.. the n candidate
+--   ids; route mode only: 5 request_id, 6 lease owner
 --   ("router_id|attempt", the lease's tail: a release names the attempt it ends),
 --   7 prompt_tokens, 8 block_size, 9 prefill_rate (tokens/s), 10 work_weight,
 --   11 decode_step_s_per_seq, 12 step_token_budget, 13 tie_abs_s, 14 tie_rel,
@@ -103,10 +105,37 @@ local function held_prefix(xkey, pkey, half)
   return nblocks, fresh or nblocks
 end
 local F = 23  -- route mode: fixed arguments before the per-candidate ones (TTLs, free KV, ids)
+--! include roots.lua
+-- Only the candidates among the prompt's root holders are walked: the others hold none of
+-- it (roots.lua's invariant). A holder found holding nothing is dropped from the list.
+local roots = KEYS[#KEYS]
+local ids = {}
+for j = 1, nc do ids[j] = mode == 'lookup' and ARGV[4 + j] or ARGV[F + 2 * nc + j] end
+local holders = false
+if nblocks > 0 then
+  upto(1)
+  holders = redis.call('HGET', roots, H[1])
+end
 local matched, fresh_run = {}, {}
+local stale = false
 for j = 1, nc do
-  local half = mode == 'route' and now + tonumber(ARGV[F + j]) / 2 or now
-  matched[j], fresh_run[j] = held_prefix(KEYS[2 * j - 1], KEYS[2 * j], half)
+  if holds(holders, ids[j]) then
+    local half = mode == 'route' and now + tonumber(ARGV[F + j]) / 2 or now
+    matched[j], fresh_run[j] = held_prefix(KEYS[2 * j - 1], KEYS[2 * j], half)
+    if matched[j] == 0 then stale = true end
+  else
+    matched[j], fresh_run[j] = 0, 0
+  end
+end
+if stale and mode == 'route' then
+  local keep = holders
+  for j = 1, nc do
+    if matched[j] == 0 and holds(keep, ids[j]) then
+      local a = string.find(keep, '\0' .. ids[j] .. '\0', 1, true)
+      keep = string.sub(keep, 1, a) .. string.sub(keep, a + #ids[j] + 2)
+    end
+  end
+  if keep == '\0' then redis.call('HDEL', roots, H[1]) else redis.call('HSET', roots, H[1], keep) end
 end
 if mode == 'lookup' then
   local out = {0}
@@ -292,6 +321,10 @@ if first <= nblocks then
   if redis.call('PTTL', pkey) == -1 then redis.call('PEXPIREAT', pkey, expiry) end
   redis.call('SADD', replicas_set, chosen)
   sweep(pkey, now, 2 * (nblocks - first + 1) + 16)
+  if first == 1 then  -- the root itself is written: the chosen replica now holds it
+    add_holder(roots, H[1], chosen)
+    sweep_roots(roots, now, 2)
+  end
 end
 
 local out = {pick}

@@ -110,7 +110,7 @@ class AtomicRoute:
             load.reserving(request_id, group)
         keys, lkeys = groups.keys[group], load.groups.keys[group]
         redis_keys = [k for r in replicas for k in keys.replica_entries(r)] + [
-            keys.replicas, lkeys.load, lkeys.leases, load.heartbeat_key_of(group)]
+            keys.replicas, lkeys.load, lkeys.leases, load.heartbeat_key_of(group), keys.roots]
         owner = load.lease_owner(request_id)
         args = ["route", int(load.clock.now() * 1000), len(replicas), pack_hashes(block_hashes),
                 request_id, owner, prompt_tokens, block_size, prefill_rate,
