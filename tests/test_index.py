@@ -344,3 +344,24 @@ async def test_the_root_holders_stay_bounded_as_predictions_expire(index):
     client = index.conn.client()
     sizes = [await client.hlen(k.roots) for k in index.groups.keys]
     assert sum(sizes) <= 60, sizes  # about 10 live, and a sweep pass behind
+
+
+async def test_root_holders_listed_by_kv_events_alone_stay_bounded(index):
+    """Under a policy that writes no predictions, first blocks are listed by the engines'
+    BlockStored events only; the engine evicts them again. The holders of first blocks no
+    replica holds any more are swept as events list new ones (lua/apply_events.lua), so the
+    list does not keep every first block ever cached (300 here, past a listpack's size)."""
+    if not isinstance(index, RedisPrefixIndex):
+        pytest.skip("the root holders are the Redis index's")
+    import random
+
+    rng = random.Random(7)
+    for k in range(300):
+        r = rng.choice("AB")
+        blocks = [rng.getrandbits(63) for _ in range(3)]
+        await index.apply_events(r, [stored(*blocks, parent=None)])
+        await index.apply_events(r, [removed(*blocks)])
+        index.clock.advance(0.1)
+    client = index.conn.client()
+    sizes = [await client.hlen(k.roots) for k in index.groups.keys]
+    assert sum(sizes) <= 60, sizes

@@ -418,7 +418,7 @@ class RedisPrefixIndex(PrefixIndex):
                     else EventOp.STORED)
                 ops += [op.value, pack_hashes(ev.block_hashes)]
         if ops:
-            await self._run_events(replica, ops)
+            await self._run_events(replica, [*ops, "t", self._now_ms()])
 
     async def _run_events(self, replica: str, ops: list[Any], maintenance: bool = False) -> None:
         k = self.keys_of(replica)

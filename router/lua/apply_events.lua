@@ -11,6 +11,8 @@
 --   "r" <hashes>         BlockRemoved: one copy fewer; the entry goes at zero
 --   "c"                  AllBlocksCleared: drop all entries of the replica (its predicted
 --                        ones predate the clear too)
+--   "t" <now ms>         the router's time (last): the root holders' sweep runs once at the
+--                        end when a first block was listed (roots.lua)
 --   "x" <ttl s>          replica gone: drop its exact and predicted entries and leave a
 --                        tombstone for <ttl s>: later ops of the replica are refused (its
 --                        feed may still write during its shutdown, or rebuild what the
@@ -20,11 +22,13 @@
 --! include roots.lua
 local xkey, pkey = KEYS[1], KEYS[2]
 if ARGV[2] ~= 'x' and redis.call('EXISTS', KEYS[4]) == 1 then return 0 end
-local purged = false
+local purged, listed, now = false, false, nil
 local i = 2
 while i <= #ARGV do
   local op = ARGV[i]
-  if op == 'c' then
+  if op == 't' then
+    now = tonumber(ARGV[i + 1]); i = i + 2
+  elseif op == 'c' then
     redis.call('DEL', xkey, pkey); i = i + 1
   elseif op == 'x' then
     redis.call('DEL', xkey, pkey, pkey .. ':cursor', pkey .. ':swept'); redis.call('SREM', KEYS[3], ARGV[1])
@@ -32,7 +36,9 @@ while i <= #ARGV do
     purged = true; i = i + 2
   else
     local packed = ARGV[i + 1]
-    if op == 'S' and #packed >= 8 then add_holder(KEYS[5], string.sub(packed, 1, 8), ARGV[1]) end
+    if op == 'S' and #packed >= 8 then
+      add_holder(KEYS[5], string.sub(packed, 1, 8), ARGV[1]); listed = true
+    end
     for k = 1, #packed, 8 do
       local h = string.sub(packed, k, k + 7)
       if op == 's' then
@@ -50,4 +56,6 @@ while i <= #ARGV do
   end
 end
 if not purged then redis.call('SADD', KEYS[3], ARGV[1]) end
+-- the holders listed by KV events alone (a policy that writes no predictions) are swept too
+if listed and now then sweep_roots(KEYS[5], now, 2) end
 return 1
