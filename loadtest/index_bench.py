@@ -136,8 +136,8 @@ async def bench_turns(url: str, turns: int = 3000, conversations: int = 32,
     ``n_replicas`` and released. Per turn: the Redis time of the route and the release
     (``script_usec``, us), the ``HSCAN`` calls of the predicted entries' sweep, and the
     ``HMGET`` calls and their own Redis time (the candidates' walks inside the route
-    script, and its one read of the candidates' loads; ``INFO commandstats``); at the end the predicted fields held (``HLEN``). ``ttl_s``: the
-    predicted entries' TTL (s)."""
+    script, and its one read of the candidates' loads; ``INFO commandstats``); at the end
+    the predicted fields held (``HLEN``). ``ttl_s``: the predicted entries' TTL (s)."""
     ns = f"bench-{uuid.uuid4().hex[:6]}"
     conn = RedisConnections(url, 5.0)
     index = RedisPrefixIndex(url, ns, connections=conn)

@@ -26,9 +26,9 @@ Block hashes are field names of 8 bytes (the 64-bit hash, big-endian: ``block_fi
   that takes the purge for a lost index and rebuilds, cannot bring its entries back (Serve
   never reuses a replica id);
 * ``<ns>:roots``: hash ``root block hash -> its holders`` (a zero byte, then each replica
-  id followed by a zero byte): the replicas that may hold a prompt's first block, exactly or predicted; every
-  replica that holds it is listed, some listed may not hold it any more (``lua/roots.lua``;
-  the route script walks only the listed candidates; a sweep beside it,
+  id followed by a zero byte): the replicas that may hold a prompt's first block, exactly
+  or predicted; every replica that holds it is listed, some listed may not hold it any more
+  (``lua/roots.lua``; the route script walks only the listed candidates; a sweep beside it,
   ``<ns>:roots:cursor`` and ``<ns>:roots:swept``, drops those that hold it no more);
 * ``<ns>:replicas``: set of the replicas with entries (for ``stats``);
 * ``<ns>:load``: hash with ``<replica>:n`` (requests in flight), ``<replica>:p`` (queued

@@ -19,6 +19,7 @@
 --                        routers purged); returns 0 when refused
 -- Counting copies keeps an entry while the engine holds a second physical block with the
 -- same hash (vLLM does not de-duplicate blocks).
+--! include sweep.lua
 --! include roots.lua
 local xkey, pkey = KEYS[1], KEYS[2]
 if ARGV[2] ~= 'x' and redis.call('EXISTS', KEYS[4]) == 1 then return 0 end

@@ -105,6 +105,7 @@ local function held_prefix(xkey, pkey, half)
   return nblocks, fresh or nblocks
 end
 local F = 23  -- route mode: fixed arguments before the per-candidate ones (TTLs, free KV, ids)
+--! include sweep.lua
 --! include roots.lua
 -- Only the candidates among the prompt's root holders are walked: the others hold none of
 -- it (roots.lua's invariant). A holder found holding nothing is dropped from the list.
@@ -135,7 +136,11 @@ if stale and mode == 'route' then
       keep = string.sub(keep, 1, a) .. string.sub(keep, a + #ids[j] + 2)
     end
   end
-  if keep == '\0' then redis.call('HDEL', roots, H[1]) else redis.call('HSET', roots, H[1], keep) end
+  if keep == '\0' then
+    redis.call('HDEL', roots, H[1])
+  else
+    redis.call('HSET', roots, H[1], keep)
+  end
 end
 if mode == 'lookup' then
   local out = {0}
@@ -293,8 +298,6 @@ if new_prefix then  -- one more new prefix placed there (LoadTracker.placed)
 end
 redis.call('HSET', leases, req, chosen .. '|' .. unc .. '|0|' .. owner)
 redis.call('SET', heartbeat, 1, 'PX', heartbeat_ttl)
-
---! include sweep.lua
 
 -- 5. predicted entries for the chosen replica (as record_predicted.lua), for the blocks past
 --    its exact run only: the engine already holds the run, and its KV events keep those

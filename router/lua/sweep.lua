@@ -1,7 +1,8 @@
--- The amortised sweep of a predicted hash, shared by route.lua and record_predicted.lua
--- (router/redis_keys.py load_lua puts this file where a script says "--! include
--- sweep.lua"). Continue the pass whose cursor is kept beside the hash (<pkey>:cursor),
--- ``count`` fields, deleting the entries expired at ``now`` (the router's time, ms). A
+-- The amortised sweep of a predicted hash (and of the root holders, roots.lua), shared by
+-- route.lua, record_predicted.lua and apply_events.lua (router/redis_keys.py load_lua puts
+-- this file where a script says "--! include sweep.lua"). Continue the pass whose cursor
+-- is kept beside the hash (<pkey>:cursor), ``count`` fields, deleting the entries expired
+-- at ``now`` (the router's time, ms). A
 -- finished pass leaves in <pkey>:swept the time at which the next may start; the cursor
 -- itself stays an HSCAN cursor, so a router of an earlier version sharing the namespace
 -- reads it as before. A mark more than SWEEP_SKEW_MS ahead (written by a router whose clock
@@ -9,13 +10,23 @@
 -- pause. Without the pause a small hash (a listpack: up to hash-max-listpack-entries
 -- fields, 128 by default), which HSCAN returns whole, was read whole on every write.
 local SWEEP_PAUSE_MS, SWEEP_SKEW_MS = 1000, 10000
-local function sweep(pkey, now, count)
+-- ``keep`` (optional): for another hash than a predicted one (roots.lua), the value a
+-- field keeps (false: the field goes), from its name and value; by default a field whose
+-- value is an expiry (ms) goes once it is past.
+local function sweep(pkey, now, count, keep)
   local ckey, skey = pkey .. ':cursor', pkey .. ':swept'
   local resume = tonumber(redis.call('GET', skey))
   if resume and now < resume and resume <= now + SWEEP_SKEW_MS then return end
   local res = redis.call('HSCAN', pkey, redis.call('GET', ckey) or '0', 'COUNT', count)
   for k = 1, #res[2], 2 do
-    if tonumber(res[2][k + 1]) <= now then redis.call('HDEL', pkey, res[2][k]) end
+    local field, v = res[2][k], res[2][k + 1]
+    local kept
+    if keep then kept = keep(field, v) else kept = tonumber(v) > now and v end
+    if not kept then
+      redis.call('HDEL', pkey, field)
+    elseif kept ~= v then
+      redis.call('HSET', pkey, field, kept)
+    end
   end
   redis.call('SET', ckey, res[1], 'PX', 3600000)
   if res[1] == '0' then
