@@ -144,6 +144,28 @@ async def test_a_request_that_reserves_during_a_look_still_counts_in_it():
     assert (await load.loads(["a"]))["a"].inflight == 1
 
 
+async def test_a_request_counted_twice_by_a_look_does_not_hide_the_last_free_slot():
+    """The converse: ``first`` reserves while ``second``'s read travels, and the read (taken
+    after the reservation landed) counts it, as does the look (it reserved during the read).
+    One slot of two is free: ``second`` gets it at once, not from the queue later (nor a
+    429 under overload: CI saw 3 requests served on a fleet bound of 4 this way)."""
+    delays = iter([0.05])
+
+    class SlowThenSnapshot(MemoryLoadTracker):
+        async def loads(self, replicas):
+            await asyncio.sleep(next(delays, 0.0))  # the read reaches Redis late
+            return await super().loads(replicas)
+
+    load = SlowThenSnapshot()
+    adm = Admission(load, 2, timeout_s=0.3)
+    second = asyncio.create_task(adm.admit("second", lambda: ["a"]))
+    await asyncio.sleep(0.001)
+    assert await adm.admit("first", lambda: ["a"]) == 0.0
+    await load.reserve("first", "a", 1)
+    adm.reserved("first")
+    assert await second == 0.0 and adm.waiting == 0
+
+
 async def test_a_client_that_leaves_while_waiting_leaves_no_trace():
     load = MemoryLoadTracker()
     await _full(load)

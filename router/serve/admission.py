@@ -49,7 +49,8 @@ process. Within a process, requests admitted but not yet reserved count as taken
 (``reserved`` ends that, called by ``route_request`` once the decision holds its
 reservation), so concurrent looks do not hand out one slot twice; a request that reserved
 after a look's load read began counts as taken in that look too (the read may predate its
-reservation, and the request is no longer pending when the look counts). While a bound is set,
+reservation, and the request is no longer pending when the look counts). When such requests
+alone leave no free slot (the read may have counted them as well), the look reads once more. While a bound is set,
 each admission costs one load read (one Redis round trip with the Redis tracker).
 """
 
@@ -275,9 +276,26 @@ class Admission:
         for rid in [r for r, t in self._pending.items() if t is not None and t < oldest]:
             del self._pending[rid]
 
-    async def _room(self, replicas: Sequence[str]) -> int:
+    async def _room(self, replicas: Sequence[str], looks: int = 3) -> int:
+        """Free slots on ``replicas`` less those admitted here and not yet counted (may be
+        negative); one load read, or up to ``looks`` when the first ones are unsure.
+
+        A request that reserved while a read travelled is counted as taken (the read may
+        have missed it), so when the read did see it, it counts twice and a free slot looks
+        taken. When only such requests stand between the count and a free slot, the look
+        reads again: a read that begins after their reservations counts each of them once.
+        """
+        for _ in range(looks - 1):
+            room, unsure = await self._look(replicas)
+            if room > 0 or room + unsure <= 0:
+                return room
+        return (await self._look(replicas))[0]
+
+    async def _look(self, replicas: Sequence[str]) -> tuple[int, int]:
+        """One load read: (free slots less those held here, how many of those held here
+        reserved while the read travelled and may be in its counts too)."""
         if not replicas:  # the replica set is not known yet: nothing to count slots on
-            return 1
+            return 1, 0
         with self._pending_lock:
             t0 = time.monotonic()
             self._reads.append(t0)
@@ -290,9 +308,10 @@ class Admission:
         self._inflight_seen = sum(loads[r].inflight for r in replicas)
         with self._pending_lock:
             # not reserved yet, or reserved after this read began (the read may miss it)
-            held = sum(1 for t in self._pending.values() if t is None or t >= t0)
+            unsure = sum(1 for t in self._pending.values() if t is not None and t >= t0)
+            held = unsure + sum(1 for t in self._pending.values() if t is None)
             self._prune_locked()
-            return free - held
+            return free - held, unsure
 
     async def refuse_early(self, replicas: Callable[[], Sequence[str]]) -> None:
         """Under sustained overload (``sustained_overload``), refuse a request that would
