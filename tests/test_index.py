@@ -12,8 +12,12 @@ from router.index.base import IndexUnavailable
 from router.index.memory import MemoryPrefixIndex
 from router.index.redis import RedisConnections, RedisPrefixIndex
 from router.kv_events.wire import KVEvent
+from router.load.redis import RedisLoadTracker
+from router.redis_keys import pack_hashes
+from router.routing.atomic import AtomicRoute
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
+BS = 16
 CLUSTER_GROUPS = 3
 
 
@@ -257,6 +261,16 @@ def test_a_fresh_predicted_entry_is_left_as_it_is_with_fresh_s():
     assert index.lookup_now([1, 2, 3], ["g"]) == {"g": 3}
 
 
+def _fresh_run(memory: MemoryPrefixIndex, replica: str, prompt: list[int], half: float) -> int:
+    """The leading blocks of ``prompt`` that ``replica`` holds exactly or by a predicted
+    entry that lives past ``half`` (s): those lua/route.lua writes no new entry for."""
+    for i, h in enumerate(prompt):
+        if not (memory._exact.get(h, {}).get(replica, 0) > 0
+                or memory._predicted.get(h, {}).get(replica, 0.0) > half):
+            return i
+    return len(prompt)
+
+
 @pytest.mark.parametrize("backend", ["redis", "fakeredis"])
 @pytest.mark.parametrize("seed", range(4))
 async def test_the_redis_index_matches_as_the_memory_index_under_random_realistic_events(
@@ -265,20 +279,29 @@ async def test_the_redis_index_matches_as_the_memory_index_under_random_realisti
     first block (lua/roots.lua); the memory index walks every candidate. Under random
     sequences of what engines and routers do (runs stored from block 0 and continued after
     a parent, removals, clears, predicted entries with random TTLs, forgotten predictions,
-    purges, time passing), both must answer every lookup alike: a holder the list missed
-    would show as a Redis match below the memory one. Prompts share first blocks and
-    prefixes, so a first block has several holders that come and go."""
+    atomic routes, which drop holders that hold nothing and list the chosen one, a replica
+    purged and replaced by a new one, time passing), both must answer every lookup alike,
+    and every route's matches are the memory index's: a holder the list missed would show
+    as a Redis match below the memory one. Prompts share first blocks and prefixes, so a
+    first block has several holders that come and go. Every replica also holds 600 exact
+    and 600 predicted blocks of other prompts from the start, so its hashes are hash tables
+    (their HSCAN, which the sweeps use, pages), as a serving engine's are."""
     import random
 
     rng = random.Random(seed)
     clock = ManualClock(time.time())
     memory = MemoryPrefixIndex(clock=clock)
     ns = f"t-{uuid.uuid4().hex[:8]}"
-    redis_index = RedisPrefixIndex(REDIS_URL, namespace=ns, timeout_s=2.0, clock=clock)
+    conn = RedisConnections(REDIS_URL, 2.0)
     if backend == "fakeredis":
         import fakeredis
         fake = fakeredis.FakeAsyncRedis()
-        redis_index.conn.client = lambda *timeout: fake
+        conn.client = lambda *timeout: fake
+    redis_index = RedisPrefixIndex(REDIS_URL, namespace=ns, clock=clock, connections=conn)
+    load = RedisLoadTracker(conn, ns, clock=clock)
+    atomic = AtomicRoute(redis_index, load)
+    route_ttl = 10.0  # no shorter than any record's TTL: a route's write (HSET) then never
+    # shortens an entry, as a record's never does (the same TTL per replica in service)
     roots = [rng.getrandbits(63) for _ in range(4)]
     prompts = []
     for i in range(10):
@@ -291,39 +314,76 @@ async def test_the_redis_index_matches_as_the_memory_index_under_random_realisti
                            + [rng.getrandbits(63) for _ in range(rng.randrange(0, 40))])
     replicas = ["A", "B", "C"]
     both = (memory, redis_index)
+
+    async def background(r):
+        others = [rng.getrandbits(63) for _ in range(600)]
+        for index in both:
+            await index.apply_events(r, [KVEvent("stored", others, None)])
+            await index.record_predicted(r, others[::-1], ttl_s=86400.0)
+
+    for r in replicas:
+        await background(r)
+    seen = {"lookups": 0, "matched": 0, "shared": 0, "routes": 0, "dropped": 0}
     try:
-        for step in range(150):
+        for step in range(200):
             r, prompt = rng.choice(replicas), rng.choice(prompts)
             k = rng.randrange(1, len(prompt) + 1)
             op = rng.random()
-            if op < 0.3:  # the engine computes a prompt's first k blocks
+            if op < 0.25:  # the engine computes a prompt's first k blocks
                 start = rng.randrange(0, k)
                 ev = KVEvent("stored", prompt[start:k], prompt[start - 1] if start else None)
                 for index in both:
                     await index.apply_events(r, [ev])
-            elif op < 0.5:  # it evicts some of them
+            elif op < 0.4:  # it evicts some of them
                 gone = rng.sample(prompt, rng.randrange(1, min(len(prompt), 8) + 1))
                 for index in both:
                     await index.apply_events(r, [removed(*gone)])
-            elif op < 0.75:
+            elif op < 0.55:
                 ttl = rng.choice([0.5, 2.0, 10.0])
                 for index in both:
                     await index.record_predicted(r, prompt[:k], ttl_s=ttl)
-            elif op < 0.82:
+            elif op < 0.72:  # a router's atomic decision, then the request ends
+                want = await memory.lookup(prompt, replicas)
+                holders = sum(1 for h in (await redis_index.conn.client().hget(
+                    redis_index.groups.keys[0].roots, pack_hashes(prompt[:1]))
+                    or b"\0").split(b"\0") if h)
+                chosen, matched = await atomic.route(
+                    f"q{step}", len(prompt) * BS, prompt, replicas, [route_ttl] * 3,
+                    block_size=BS, prefill_rate=20000.0, work_weight=1.0,
+                    decode_step_s_per_seq=3e-5, step_token_budget=8192, tie_abs_s=0.002,
+                    tie_rel=0.05, u=rng.random())
+                assert matched == want, (step, "route")
+                seen["routes"] += 1
+                seen["dropped"] += holders > sum(1 for n in want.values() if n)
+                fresh = _fresh_run(memory, chosen, prompt, clock.now() + route_ttl / 2)
+                memory.record_predicted_now(chosen, prompt[fresh:], route_ttl)
+                await load.release(f"q{step}")
+            elif op < 0.78:
                 for index in both:
                     await index.forget_predicted(r, prompt[:k])
-            elif op < 0.86:
+            elif op < 0.82:
                 for index in both:
                     await index.apply_events(r, [KVEvent("cleared")])
-            elif op < 0.88:
+            elif op < 0.84:  # the replica is gone; Serve starts a new one in its place
                 for index in both:
                     await index.remove_replica(r)
+                replicas[replicas.index(r)] = new = f"{r}{step}"
+                await background(new)
             else:
                 clock.advance(rng.choice([0.3, 1.0, 4.0]))
             for prompt in rng.sample(prompts, 3):
                 want = await memory.lookup(prompt, replicas)
                 assert await redis_index.lookup(prompt, replicas) == want, (step, op)
+                seen["lookups"] += 1
+                seen["matched"] += any(want.values())
+                seen["shared"] += sum(1 for n in want.values() if n) >= 2
+        # the sequences are not trivial: most lookups match somewhere, many on several
+        # replicas at once, and routes found listed holders that held nothing
+        assert seen["matched"] >= 0.5 * seen["lookups"], seen
+        assert seen["shared"] >= 0.15 * seen["lookups"], seen
+        assert seen["routes"] >= 20 and seen["dropped"] >= 1, seen
     finally:
+        await load.close()
         await redis_index.flush()
         await redis_index.close()
 
