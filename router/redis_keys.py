@@ -64,6 +64,20 @@ from router.index.base import GONE_TTL_S  # noqa: F401 - the tombstone's TTL, na
 _LUA_DIR = Path(__file__).with_name("lua")
 
 
+def check_replica_id(replica: str) -> str:
+    """``replica`` itself, if the Redis index can store it: the root holders
+    (``lua/roots.lua``) list replica ids each after a zero byte, so an id must be non-empty
+    and hold no zero byte (Ray Serve's replica ids and ``Settings.external_engines``' names
+    never do).
+
+    Raises:
+        ValueError: an empty id, or one with a zero byte.
+    """
+    if not replica or "\0" in replica:
+        raise ValueError(f"a replica id must be non-empty, without a zero byte: {replica!r}")
+    return replica
+
+
 class RedisKeys:
     """The key names of one namespace, or of one shard group of it.
 
@@ -88,12 +102,20 @@ class RedisKeys:
         self.drained = f"{namespace}:drained"  # set of the replicas an operator drained
 
     def exact(self, replica: str) -> str:
-        """The replica's exact entries (block hash -> copies)."""
-        return f"{self.base}:x:{replica}"
+        """The replica's exact entries (block hash -> copies).
+
+        Raises:
+            ValueError: an empty replica id, or one with a zero byte (``check_replica_id``).
+        """
+        return f"{self.base}:x:{check_replica_id(replica)}"
 
     def predicted(self, replica: str) -> str:
-        """The replica's predicted entries (block hash -> expiry ms)."""
-        return f"{self.base}:p:{replica}"
+        """The replica's predicted entries (block hash -> expiry ms).
+
+        Raises:
+            ValueError: as ``exact``.
+        """
+        return f"{self.base}:p:{check_replica_id(replica)}"
 
     @property
     def roots(self) -> str:

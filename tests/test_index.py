@@ -425,3 +425,77 @@ async def test_root_holders_listed_by_kv_events_alone_stay_bounded(index):
     client = index.conn.client()
     sizes = [await client.hlen(k.roots) for k in index.groups.keys]
     assert sum(sizes) <= 60, sizes
+
+
+async def test_root_holders_listed_by_batches_of_events_stay_bounded(index):
+    """A feed writes its events in batches, so one write may list many first blocks: 4 new
+    prompts a batch, the engine keeping its last 600 and evicting the oldest. The sweep
+    covers twice as many entries as a write lists (lua/apply_events.lua), so the list stays
+    near what is live; with a fixed 2 entries a write it grew by about 2 a batch."""
+    if not isinstance(index, RedisPrefixIndex):
+        pytest.skip("the root holders are the Redis index's")
+    import random
+
+    rng = random.Random(3)
+    live = []
+    for k in range(1500):
+        events = []
+        for _ in range(4):
+            live.append([rng.getrandbits(63) for _ in range(2)])
+            events.append(stored(*live[-1], parent=None))
+        while len(live) > 600:
+            events.append(removed(*live.pop(0)))
+        await index.apply_events("A", events)
+        index.clock.advance(0.01)
+    client = index.conn.client()
+    sizes = [await client.hlen(k.roots) for k in index.groups.keys]
+    assert sum(sizes) <= 1300, sizes  # 600 live, and a sweep pass (and its pause) behind
+
+
+async def test_a_router_whose_clock_runs_ahead_does_not_hide_a_live_root(index):
+    """Router 2's clock runs 20 ms ahead of router 1's. A route of router 2 that finds
+    replica A's predicted root expired by its own clock must not drop A from the holders
+    while router 1 still sees the entry live: router 1's lookups would read nothing for A
+    until the entry expired. Once the root has been gone for ROOTS_SLACK_MS (1 s,
+    lua/roots.lua), a route drops it."""
+    if not isinstance(index, RedisPrefixIndex):
+        pytest.skip("the root holders are the Redis index's")
+    prompt = [31, 32, 33]
+    await index.record_predicted("A", prompt, ttl_s=1.0)  # router 1's clock: expiry t0 + 1 s
+    groups = index.groups.count if index.groups.tagged else None
+    ahead = RedisPrefixIndex("unused", index.ns, connections=index.conn, shard_groups=groups,
+                             clock=ManualClock(index.clock.now() + 1.010))
+    load = RedisLoadTracker(index.conn, index.ns, clock=ahead.clock, shard_groups=groups)
+    index.clock.advance(0.990)  # router 1: 10 ms before the expiry
+    kwargs = dict(block_size=BS, prefill_rate=20000.0, work_weight=1.0,
+                  decode_step_s_per_seq=3e-5, step_token_budget=8192, tie_abs_s=0.002,
+                  tie_rel=0.05, u=0.99)
+    try:
+        # B is chosen (u; A and B share a shard group) and holds the prompt from then on
+        chosen, matched = await AtomicRoute(ahead, load).route(
+            "q", 3 * BS, prompt, ["A", "B"], [1.0, 10.0], **kwargs)
+        assert matched["A"] == 0 and chosen == "B"  # A's entry expired by router 2's clock
+        await load.release("q")
+        assert (await index.lookup(prompt, ["A"]))["A"] == 3  # still live by router 1's
+        ahead.clock.advance(1.0)  # gone for more than the slack: a route drops it
+        chosen, _ = await AtomicRoute(ahead, load).route("q2", 3 * BS, prompt, ["A", "B"],
+                                                         [1.0, 10.0], **kwargs)
+        assert chosen == "B"
+        await load.release("q2")
+        holders = await index.conn.client().hget(index.keys_of("A").roots,
+                                                 pack_hashes(prompt[:1]))
+        assert b"\0B\0" in holders and b"\0A\0" not in holders, holders
+    finally:
+        await load.close()
+
+
+async def test_a_replica_id_the_holders_list_cannot_hold_is_refused(index):
+    """The root holders list ids each after a zero byte (lua/roots.lua): an empty id or one
+    with a zero byte would be split or lost there, so the Redis index refuses them."""
+    if not isinstance(index, RedisPrefixIndex):
+        pytest.skip("the root holders are the Redis index's")
+    for bad in ("", "a\0b"):
+        with pytest.raises(ValueError, match="zero byte"):
+            await index.apply_events(bad, [stored(1, 2, parent=None)])
+        with pytest.raises(ValueError, match="zero byte"):
+            await index.lookup([1, 2], ["ok", bad])

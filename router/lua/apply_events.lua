@@ -12,7 +12,8 @@
 --   "c"                  AllBlocksCleared: drop all entries of the replica (its predicted
 --                        ones predate the clear too)
 --   "t" <now ms>         the router's time (last): the root holders' sweep runs once at the
---                        end when a first block was listed (roots.lua)
+--                        end when first blocks were newly listed, over twice as many
+--                        entries (roots.lua)
 --   "x" <ttl s>          replica gone: drop its exact and predicted entries and leave a
 --                        tombstone for <ttl s>: later ops of the replica are refused (its
 --                        feed may still write during its shutdown, or rebuild what the
@@ -23,7 +24,7 @@
 --! include roots.lua
 local xkey, pkey = KEYS[1], KEYS[2]
 if ARGV[2] ~= 'x' and redis.call('EXISTS', KEYS[4]) == 1 then return 0 end
-local purged, listed, now = false, false, nil
+local purged, listed, now = false, 0, nil
 local i = 2
 while i <= #ARGV do
   local op = ARGV[i]
@@ -38,7 +39,7 @@ while i <= #ARGV do
   else
     local packed = ARGV[i + 1]
     if op == 'S' and #packed >= 8 then
-      add_holder(KEYS[5], string.sub(packed, 1, 8), ARGV[1]); listed = true
+      if add_holder(KEYS[5], string.sub(packed, 1, 8), ARGV[1]) then listed = listed + 1 end
     end
     for k = 1, #packed, 8 do
       local h = string.sub(packed, k, k + 7)
@@ -57,6 +58,7 @@ while i <= #ARGV do
   end
 end
 if not purged then redis.call('SADD', KEYS[3], ARGV[1]) end
--- the holders listed by KV events alone (a policy that writes no predictions) are swept too
-if listed and now then sweep_roots(KEYS[5], now, 2) end
+-- the holders listed by KV events alone (a policy that writes no predictions) are swept too,
+-- twice as many entries as this call listed (a batch of events may list many first blocks)
+if listed > 0 and now then sweep_roots(KEYS[5], now, 2 * listed) end
 return 1

@@ -14,20 +14,30 @@
 local function holds(v, id)
   return v and string.find(v, '\0' .. id .. '\0', 1, true) ~= nil
 end
+-- Lists ``id`` among the holders of ``root``; returns whether it was not listed yet.
 local function add_holder(rkey, root, id)
   local v = redis.call('HGET', rkey, root)
-  if not holds(v, id) then redis.call('HSET', rkey, root, (v or '\0') .. id .. '\0') end
+  if holds(v, id) then return false end
+  redis.call('HSET', rkey, root, (v or '\0') .. id .. '\0')
+  return true
 end
--- Whether replica ``id`` still holds ``root`` at ``now`` (ms): an exact entry, or a predicted
--- one not expired; the key names are router/redis_keys.py RedisKeys.exact / .predicted of the
--- base that <base>:roots names.
+-- A holder is dropped only once its root has been gone for ROOTS_SLACK_MS by the dropping
+-- router's clock: routers whose clocks differ by less then never hide from each other a
+-- predicted root that one of them still sees live (the list is shared; a holder kept a
+-- little longer costs only its walk).
+local ROOTS_SLACK_MS = 1000
+-- Whether replica ``id`` may still hold ``root`` at ``now`` (ms): an exact entry, or a
+-- predicted one that expired less than ROOTS_SLACK_MS ago (or not at all); the key names
+-- are router/redis_keys.py RedisKeys.exact / .predicted of the base that <base>:roots names.
 local function still_holds(base, id, root, now)
   if redis.call('HGET', base .. ':x:' .. id, root) then return true end
   local e = tonumber(redis.call('HGET', base .. ':p:' .. id, root))
-  return e ~= nil and e > now
+  return e ~= nil and e > now - ROOTS_SLACK_MS
 end
 -- Continue the pass over <base>:roots (sweep.lua's ``sweep``: cursor, pause), about ``count``
--- entries: each keeps only its holders that still hold its root, and goes when none does.
+-- entries: each keeps only its holders that may still hold its root, and goes when none
+-- does. A write that listed k new holders sweeps about 2k entries, so the list cannot grow
+-- faster than the sweep removes what has gone stale.
 local function sweep_roots(rkey, now, count)
   local base = string.sub(rkey, 1, -7)  -- without ':roots'
   sweep(rkey, now, count, function(root, v)

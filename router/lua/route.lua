@@ -108,7 +108,8 @@ local F = 23  -- route mode: fixed arguments before the per-candidate ones (TTLs
 --! include sweep.lua
 --! include roots.lua
 -- Only the candidates among the prompt's root holders are walked: the others hold none of
--- it (roots.lua's invariant). A holder found holding nothing is dropped from the list.
+-- it (roots.lua's invariant). A holder found holding nothing is dropped from the list (once
+-- its root has been gone for ROOTS_SLACK_MS).
 local roots = KEYS[#KEYS]
 local ids = {}
 for j = 1, nc do ids[j] = mode == 'lookup' and ARGV[4 + j] or ARGV[F + 2 * nc + j] end
@@ -129,16 +130,18 @@ for j = 1, nc do
   end
 end
 if stale and mode == 'route' then
-  local keep = holders
+  -- dropped only once gone for ROOTS_SLACK_MS (roots.lua): another router whose clock is
+  -- behind this one's may still see the root's predicted entry live
+  local keep, base = holders, string.sub(roots, 1, -7)
   for j = 1, nc do
-    if matched[j] == 0 and holds(keep, ids[j]) then
+    if matched[j] == 0 and holds(keep, ids[j]) and not still_holds(base, ids[j], H[1], now) then
       local a = string.find(keep, '\0' .. ids[j] .. '\0', 1, true)
       keep = string.sub(keep, 1, a) .. string.sub(keep, a + #ids[j] + 2)
     end
   end
   if keep == '\0' then
     redis.call('HDEL', roots, H[1])
-  else
+  elseif keep ~= holders then
     redis.call('HSET', roots, H[1], keep)
   end
 end
