@@ -50,8 +50,9 @@ process. Within a process, requests admitted but not yet reserved count as taken
 reservation), so concurrent looks do not hand out one slot twice; a request that reserved
 after a look's load read began counts as taken in that look too (the read may predate its
 reservation, and the request is no longer pending when the look counts). When such requests
-alone leave no free slot (the read may have counted them as well), the look reads once more. While a bound is set,
-each admission costs one load read (one Redis round trip with the Redis tracker).
+alone leave no free slot (the read may have counted them as well), the look reads again.
+While a bound is set, each admission costs one load read (one Redis round trip with the
+Redis tracker; up to three in that case).
 """
 
 from __future__ import annotations
