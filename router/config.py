@@ -352,6 +352,14 @@ class Settings(BaseSettings):
                                 "match further otherwise); a long new prompt then costs the "
                                 "router a head's tokenization, not the whole prompt's. "
                                 "0: always tokenize whole.")
+    render_threads: int | None = Field(
+        None, ge=0, description="Threads of each ingress process that render, tokenize and "
+                                "hash request bodies over 16 KiB, in arrival order (the "
+                                "tokenizer runs without the GIL, so a burst of long prompts "
+                                "uses several cores while the event loop serves I/O). None: "
+                                "the cores this process may run on, at most 4. 0: render on "
+                                "the event loop, one request at a time (bodies over 1 MiB on "
+                                "asyncio's default threads).")
     request_timeout_s: float = Field(
         1800.0, gt=0, description="Upper bound of one request to an engine.")
     body_idle_timeout_s: float = Field(

@@ -78,14 +78,15 @@ async def test_an_index_that_fails_leaves_the_prompt_at_its_head(model_dir, repl
 
 async def test_a_burst_is_rendered_in_arrival_order_with_the_index_answers_in_between(
         model_dir, replicas):
-    """``IngressCore._cpu_turn``: 8 long prompts arrive at once. The first is dispatched
-    (its head lookup answered by Redis) before the fifth is rendered: the renders take
-    turns with the loop's I/O instead of all running before any lookup is answered."""
+    """``IngressCore._cpu_turn`` (no render threads, ``render_threads=0``): 8 long prompts
+    arrive at once. The first is dispatched (its head lookup answered by Redis) before the
+    fifth is rendered: the renders take turns with the loop's I/O instead of all running
+    before any lookup is answered."""
     import asyncio
 
     from tests.conftest import REDIS_URL
     settings = Settings(model=str(model_dir), redis_url=REDIS_URL, redis_timeout_s=5.0,
-                        index_namespace=f"turn-{uuid.uuid4().hex[:6]}")
+                        index_namespace=f"turn-{uuid.uuid4().hex[:6]}", render_threads=0)
     ingress = IngressCore(settings, engine_handle=None)
     bodies = [_body(CHAT_PATH, make_text(6000, f"burst-{i}"), "?") for i in range(9)]
     await ingress.prepare(CHAT_PATH, bodies[8])  # warm: template, Redis connection
@@ -103,6 +104,55 @@ async def test_a_burst_is_rendered_in_arrival_order_with_the_index_answers_in_be
     await asyncio.gather(*(one(i) for i in range(8)))
     assert [i for e, i in events if e == "render"] == list(range(8))
     assert events.index(("done", 0)) < events.index(("render", 4)), events
+
+
+async def test_long_bodies_are_rendered_on_the_render_threads_in_arrival_order(
+        model_dir, replicas):
+    """``Settings.render_threads``: bodies over 16 KiB are rendered off the event loop, on
+    the render threads, in arrival order (one thread here), with the hashes an inline
+    render gives. The loop runs while a render does: a render that waits for the loop to
+    set an event finishes (rendered on the loop, it would wait for ever)."""
+    import asyncio
+    import threading
+
+    settings = Settings(model=str(model_dir), index_namespace=f"rt-{uuid.uuid4().hex[:6]}",
+                        render_threads=1)
+    ingress = IngressCore(settings, engine_handle=None)
+    inline = IngressCore(settings.model_copy(update={"render_threads": 0}), None)
+    assert inline._render_pool is None
+    bodies = [_body(CHAT_PATH, make_text(6000, f"threads-{i}"), "?") for i in range(6)]
+    assert all(len(b) > 16 * 1024 for b in bodies)
+    seen, gate, render = [], threading.Event(), ingress._prepare
+
+    def logged(path, raw, *args):
+        seen.append((bodies.index(raw), threading.current_thread().name))
+        if raw is bodies[0]:
+            assert gate.wait(5), "the event loop stood still while a body was rendered"
+        return render(path, raw, *args)
+    ingress._prepare = logged
+
+    async def open_gate():
+        await asyncio.sleep(0.05)
+        gate.set()
+    got = await asyncio.gather(*(ingress.prepare(CHAT_PATH, b) for b in bodies), open_gate())
+    assert [i for i, _ in seen] == list(range(6))
+    assert all(name.startswith("render") for _, name in seen), seen
+    for body, req in zip(bodies, got):
+        assert req.block_hashes == (await inline.prepare(CHAT_PATH, body)).block_hashes
+    await ingress.close()
+    with pytest.raises(RuntimeError):  # stopped with the ingress
+        ingress._render_pool.submit(print)
+
+
+def test_render_threads_default_to_the_cores_at_most_four(monkeypatch):
+    from router.serve import ingress as ingress_mod
+    monkeypatch.setattr(ingress_mod.os, "sched_getaffinity", lambda pid: set(range(16)),
+                        raising=False)
+    assert ingress_mod.render_threads(Settings()) == 4
+    monkeypatch.setattr(ingress_mod.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert ingress_mod.render_threads(Settings()) == 2
+    assert ingress_mod.render_threads(Settings(render_threads=0)) == 0
+    assert ingress_mod.render_threads(Settings(render_threads=7)) == 7
 
 
 async def test_text_the_tokenizer_refuses_past_a_held_head_is_routed_by_load(

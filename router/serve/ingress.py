@@ -24,9 +24,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
+import os
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -61,11 +64,26 @@ from router.serve.schemas import SCHEMAS, validation_message
 
 logger = get_logger(__name__)
 
-# Larger bodies are rendered off the event loop. When a long prompt's tokenization stops at
-# its head (``Settings.route_head_chars``), rendering a body of up to 1 MiB costs about 2 ms
-# (parsing is linear and fast) and threads would cost more in GIL hand-overs under load.
+# Larger bodies are rendered off the event loop, on the render threads
+# (``Settings.render_threads``). Without them, a long prompt whose tokenization stops at its
+# head (``Settings.route_head_chars``) is rendered inline up to 1 MiB: about 2 ms, most of it
+# the head's tokenization, which holds up the loop.
 _RENDER_INLINE_MAX_BYTES = 16 * 1024
 _RENDER_HEAD_INLINE_MAX_BYTES = 1024 * 1024
+_RENDER_THREADS_AUTO_MAX = 4
+
+
+def render_threads(settings: Settings) -> int:
+    """How many render threads an ingress process runs: ``settings.render_threads``, or
+    when it is None the cores this process may run on (``os.sched_getaffinity``), at most
+    ``_RENDER_THREADS_AUTO_MAX``. 0 means none: bodies are rendered on the event loop."""
+    if settings.render_threads is not None:
+        return settings.render_threads
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(_RENDER_THREADS_AUTO_MAX, cores))
 
 
 class IngressCore:
@@ -98,6 +116,9 @@ class IngressCore:
         self._any_turn = 0  # rotates any_engine's first choice
         self._gauges_task: asyncio.Task | None = None  # see _keep_gauges
         self._turn: asyncio.Lock | None = None  # see _cpu_turn
+        threads = render_threads(settings)  # see prepare; started on first use
+        self._render_pool = ThreadPoolExecutor(threads, thread_name_prefix="render") \
+            if threads else None
         tracing.configure(settings)  # OpenTelemetry traces, when an endpoint is configured
         self.warmup = None  # warm-up and re-homing (router.serve.warmup), when enabled
         if settings.warmup_enabled:
@@ -252,23 +273,36 @@ class IngressCore:
         """
         prefix_aware = self.settings.policy_for(policy) == "prefix_aware"
         head = self.settings.route_head_chars if prefix_aware else 0
-        inline = _RENDER_HEAD_INLINE_MAX_BYTES if head and self.renderer.segments.chunked \
+        inline = _RENDER_INLINE_MAX_BYTES if self._render_pool is not None else \
+            _RENDER_HEAD_INLINE_MAX_BYTES if head and self.renderer.segments.chunked \
             else _RENDER_INLINE_MAX_BYTES
         if len(raw) > inline:
-            req, info = await asyncio.to_thread(self._prepare, path, raw, head, tenant,
-                                                priority, session)
+            req, info = await self._off_loop(self._prepare, path, raw, head, tenant,
+                                             priority, session)
         else:
             async with self._cpu_turn():
                 req, info = self._prepare(path, raw, head, tenant, priority, session)
         if info.rest is not None:
             held = await self._head_held(req.block_hashes)
             if held:
-                await asyncio.to_thread(self._finish, req, info)
+                await self._off_loop(self._finish, req, info)
             metrics.inc("long_prompts", tags={"tokenized": "whole" if held else "head"})
         if self.warmup is not None:
             self.warmup.observe(req.block_hashes, info.token_ids, info.cache_salt,
                                 req.lora_name)
         return req
+
+    async def _off_loop(self, fn, *args):
+        """``fn(*args)`` on a render thread (``Settings.render_threads``: a pool that takes
+        work in arrival order), or on asyncio's default threads when there are none, with
+        this task's context (its tracing span). The tokenizer releases the GIL, so a burst
+        of long prompts is tokenized on several cores while the loop serves I/O; the parts
+        that hold the GIL (JSON parsing, the chat template, hashing) still take turns."""
+        if self._render_pool is None:
+            return await asyncio.to_thread(fn, *args)
+        ctx = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(
+            self._render_pool, ctx.run, fn, *args)
 
     @contextlib.asynccontextmanager
     async def _cpu_turn(self):
@@ -519,7 +553,10 @@ class IngressCore:
         return self._engine_client
 
     async def close(self) -> None:
-        """Close the direct path's pooled engine connections (at the ingress's stop)."""
+        """Close the direct path's pooled engine connections and stop the render threads
+        (at the ingress's stop)."""
+        if self._render_pool is not None:
+            self._render_pool.shutdown(wait=False, cancel_futures=True)
         if self._engine_client is not None:
             await self._engine_client.close()
 
