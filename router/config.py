@@ -357,9 +357,9 @@ class Settings(BaseSettings):
                                 "hash request bodies over 16 KiB, in arrival order (the "
                                 "tokenizer runs without the GIL, so a burst of long prompts "
                                 "uses several cores while the event loop serves I/O). None: "
-                                "the cores this process may run on, at most 4. 0: render on "
-                                "the event loop, one request at a time (bodies over 1 MiB on "
-                                "asyncio's default threads).")
+                                "half the cores this process may run on, at most 4, and none "
+                                "below 4 cores. 0: render on the event loop, one request at a "
+                                "time (bodies over 1 MiB on asyncio's default threads).")
     request_timeout_s: float = Field(
         1800.0, gt=0, description="Upper bound of one request to an engine.")
     body_idle_timeout_s: float = Field(

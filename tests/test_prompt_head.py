@@ -144,13 +144,13 @@ async def test_long_bodies_are_rendered_on_the_render_threads_in_arrival_order(
         ingress._render_pool.submit(print)
 
 
-def test_render_threads_default_to_the_cores_at_most_four(monkeypatch):
+def test_render_threads_default_to_half_the_cores_at_most_four_none_below_four(
+        monkeypatch):
     from router.serve import ingress as ingress_mod
-    monkeypatch.setattr(ingress_mod.os, "sched_getaffinity", lambda pid: set(range(16)),
-                        raising=False)
-    assert ingress_mod.render_threads(Settings()) == 4
-    monkeypatch.setattr(ingress_mod.os, "sched_getaffinity", lambda pid: {0, 1})
-    assert ingress_mod.render_threads(Settings()) == 2
+    for cores, threads in ((16, 4), (6, 3), (4, 2), (2, 0), (1, 0)):
+        monkeypatch.setattr(ingress_mod.os, "sched_getaffinity",
+                            lambda pid, n=cores: set(range(n)), raising=False)
+        assert ingress_mod.render_threads(Settings()) == threads, cores
     assert ingress_mod.render_threads(Settings(render_threads=0)) == 0
     assert ingress_mod.render_threads(Settings(render_threads=7)) == 7
 

@@ -71,19 +71,25 @@ logger = get_logger(__name__)
 _RENDER_INLINE_MAX_BYTES = 16 * 1024
 _RENDER_HEAD_INLINE_MAX_BYTES = 1024 * 1024
 _RENDER_THREADS_AUTO_MAX = 4
+_RENDER_THREADS_MIN_CORES = 4
 
 
 def render_threads(settings: Settings) -> int:
     """How many render threads an ingress process runs: ``settings.render_threads``, or
-    when it is None the cores this process may run on (``os.sched_getaffinity``), at most
-    ``_RENDER_THREADS_AUTO_MAX``. 0 means none: bodies are rendered on the event loop."""
+    when it is None half the cores this process may run on (``os.sched_getaffinity``), at
+    most ``_RENDER_THREADS_AUTO_MAX``, and none below ``_RENDER_THREADS_MIN_CORES`` cores:
+    on the 2-core VM, where the client, the engines and Redis share the cores, a 32-request
+    burst's p99 was no better with threads and its median worse (docs/benchmarks.md,
+    "Router throughput"). 0 means none: bodies are rendered on the event loop."""
     if settings.render_threads is not None:
         return settings.render_threads
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
-    return max(1, min(_RENDER_THREADS_AUTO_MAX, cores))
+    if cores < _RENDER_THREADS_MIN_CORES:
+        return 0
+    return min(_RENDER_THREADS_AUTO_MAX, cores // 2)
 
 
 class IngressCore:
