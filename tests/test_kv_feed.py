@@ -273,6 +273,31 @@ async def test_a_flushed_index_is_rebuilt_from_the_record(tmp_path, own_redis):
     await feed.stop()
 
 
+async def test_a_lost_list_of_root_holders_is_rebuilt_from_the_record(tmp_path, own_redis):
+    """``<ns>:roots`` deleted alone (or evicted): the lookup walks only listed holders, so
+    the replica's entries, still in Redis, matched nothing. The feed checks one held root's
+    listing a second and rebuilds the replica's entries and listings from its record."""
+    ep, _ = endpoints(tmp_path)
+    pub = EventPublisher(ep, None, "r1")
+    index = RedisPrefixIndex(own_redis.url, namespace=f"t{uuid.uuid4().hex[:6]}",
+                             timeout_s=0.5)
+    feed = EventFeed("r1", ep, None, index, flush_interval_s=0.001)
+    feed.ROOTS_CHECK_S = 0.05
+    feed.start()
+    await asyncio.sleep(0.2)
+    await pub.publish([KVEvent("stored", [1, 2, 3], None), KVEvent("stored", [7, 8], None)],
+                      32)
+    await until(lambda: _safe_matched(index, [7, 8], 2))
+    assert await index.lists_root_holder("r1", 1) and await index.lists_root_holder("r1", 7)
+    assert not await index.lists_root_holder("r2", 1)
+    await index.conn.client().delete(index.keys_of("r1").roots)
+    assert (await index.lookup([1, 2, 3], ["r1"]))["r1"] == 0  # entries there, not walked
+    await until(lambda: _safe_matched(index, [1, 2, 3], 3), timeout_s=10)
+    await until(lambda: _safe_matched(index, [7, 8], 2), timeout_s=10)
+    assert feed.resyncs == 1
+    await feed.stop()
+
+
 async def _safe_matched(index, hashes, n):
     try:
         return (await index.lookup(hashes, ["r1"]))["r1"] == n

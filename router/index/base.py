@@ -117,6 +117,17 @@ class PrefixIndex(ABC):
     async def exact_entry_count(self, replica: str) -> int:
         """Number of blocks with an exact entry for ``replica``."""
 
+    async def lists_root_holder(self, replica: str, root: BlockHash) -> bool:
+        """Whether the index lists ``replica`` among the holders of ``root`` (a prompt's
+        first block), where it keeps such a list apart from the entries (the Redis index's
+        ``<ns>:roots``, which a lookup reads first: a replica missing from it is not walked
+        for the prompt). True for an index that keeps no such list.
+
+        Raises:
+            IndexUnavailable: the index did not answer.
+        """
+        return True
+
     @abstractmethod
     async def stats(self) -> IndexStats:
         """Current size of the index."""

@@ -448,6 +448,15 @@ class RedisPrefixIndex(PrefixIndex):
 
         return int(await self.conn.call(run))
 
+    async def lists_root_holder(self, replica: str, root: BlockHash) -> bool:
+        """See ``PrefixIndex.lists_root_holder``: one ``HGET`` of ``<ns>:roots`` (the
+        holders' format of ``router/lua/roots.lua``)."""
+        async def run(client):
+            return await client.hget(self.keys_of(replica).roots, pack_hashes([root]))
+
+        holders = await self.conn.call(run)
+        return holders is not None and b"\0" + replica.encode() + b"\0" in holders
+
     async def stats(self) -> IndexStats:
         """Entries of every replica in the replicas set of each group (``blocks`` is -1);
         a pipeline of one key per command, which a cluster client spreads over shards."""

@@ -104,6 +104,8 @@ class EventFeed:
         max_pending_events: write at once when this many events are pending.
     """
 
+    ROOTS_CHECK_S = 1.0  # how often the index's listing of one held root is checked
+
     def __init__(self, replica_id: str, endpoint: str, replay_endpoint: str | None,
                  index: PrefixIndex | None, flush_interval_s: float = 0.01,
                  max_pending_events: int = 2000, on_stats=None):
@@ -125,6 +127,8 @@ class EventFeed:
         self.resyncs = 0
         self._tasks: list[asyncio.Task] = []
         self._wake = asyncio.Event()
+        self._root_turn = 0  # the record's root that _entries_vanished checks next
+        self._roots_checked = 0.0  # when it last checked one (time.monotonic)
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -236,12 +240,27 @@ class EventFeed:
             self.dirty = True
 
     async def _entries_vanished(self) -> bool:
-        """The index lost this replica's entries (e.g. FLUSHDB) while the engine holds blocks."""
-        held = self.record.exact_entries(self.replica_id)
-        if not held:
+        """The index lost this replica's entries (e.g. FLUSHDB) while the engine holds blocks,
+        or its listing among the holders of a root it holds (``<ns>:roots`` deleted or
+        evicted alone: the replica's entries would then never be walked). One root of the
+        record is checked every ``ROOTS_CHECK_S``, in turn, so every root is checked over
+        time. The root is chosen before the first await: the record then holds only what
+        the flush that precedes this call has written."""
+        root = None
+        now = time.monotonic()
+        if now - self._roots_checked >= self.ROOTS_CHECK_S:
+            self._roots_checked = now
+            roots = self.record.root_entries(self.replica_id)
+            if roots:
+                self._root_turn = (self._root_turn + 1) % len(roots)
+                root = roots[self._root_turn]
+        if not await self.record.exact_entry_count(self.replica_id):
             return False
         try:
-            return await self.index.exact_entry_count(self.replica_id) == 0
+            if await self.index.exact_entry_count(self.replica_id) == 0:
+                return True
+            return root is not None and not await self.index.lists_root_holder(
+                self.replica_id, root)
         except IndexUnavailable:
             self.dirty = True
             return False
