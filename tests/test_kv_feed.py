@@ -298,6 +298,41 @@ async def test_a_lost_list_of_root_holders_is_rebuilt_from_the_record(tmp_path, 
     await feed.stop()
 
 
+async def test_a_resync_does_not_write_the_pending_events_twice(tmp_path):
+    """Found by a review: a resync rewrites the record, which holds the events still
+    pending, and the next flush wrote them again: a block stored after a root counted two
+    copies in the index, so after the engine evicted it the index still held it."""
+    ep, _ = endpoints(tmp_path)
+    index = MemoryPrefixIndex()
+    feed = EventFeed("r1", ep, None, index)
+    feed._enqueue([KVEvent("stored", [5], None)])
+    await feed.flush()
+    feed._enqueue([KVEvent("stored", [6], 5)])  # pending when the resync comes
+    await feed.resync()
+    await feed.flush()
+    assert index.exact_entries("r1") == feed.record.exact_entries("r1") == {5: 1, 6: 1}
+    feed._enqueue([KVEvent("removed", [6])])
+    await feed.flush()
+    assert (await index.lookup([5, 6], ["r1"]))["r1"] == 1
+
+
+async def test_the_root_checked_is_taken_before_the_flush_that_writes_it(tmp_path, own_redis):
+    """Found by a review: a root the record got while a flush travelled (not written yet)
+    was checked after it, found unlisted, and set off a needless resync. The root is now
+    taken before the flush; one taken then is always written by it."""
+    ep, _ = endpoints(tmp_path)
+    index = RedisPrefixIndex(own_redis.url, namespace=f"t{uuid.uuid4().hex[:6]}",
+                             timeout_s=0.5)
+    feed = EventFeed("r1", ep, None, index)
+    feed.ROOTS_CHECK_S = 0.0
+    feed._enqueue([KVEvent("stored", [1, 2], None)])
+    root = feed._root_to_check()
+    feed._enqueue([KVEvent("stored", [9], None)])  # arrives while the flush travels
+    await feed.flush()
+    assert root == 1 and not await feed._entries_vanished(root)
+    assert await feed._entries_vanished(77)  # a root the index does not list for it
+
+
 async def _safe_matched(index, hashes, n):
     try:
         return (await index.lookup(hashes, ["r1"]))["r1"] == n

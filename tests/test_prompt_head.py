@@ -139,20 +139,36 @@ async def test_long_bodies_are_rendered_on_the_render_threads_in_arrival_order(
     assert all(name.startswith("render") for _, name in seen), seen
     for body, req in zip(bodies, got):
         assert req.block_hashes == (await inline.prepare(CHAT_PATH, body)).block_hashes
+    pool = ingress._render_pool
     await ingress.close()
     with pytest.raises(RuntimeError):  # stopped with the ingress
-        ingress._render_pool.submit(print)
+        pool.submit(print)
+    assert (await ingress.prepare(CHAT_PATH, bodies[1])).block_hashes == got[1].block_hashes
 
 
 def test_render_threads_default_to_half_the_cores_at_most_four_none_below_four(
         monkeypatch):
     from router.serve import ingress as ingress_mod
+    monkeypatch.setattr(ingress_mod, "cgroup_cpu_limit", lambda: None)
     for cores, threads in ((16, 4), (6, 3), (4, 2), (2, 0), (1, 0)):
         monkeypatch.setattr(ingress_mod.os, "sched_getaffinity",
                             lambda pid, n=cores: set(range(n)), raising=False)
         assert ingress_mod.render_threads(Settings()) == threads, cores
+    # a container limited to 2 cores sees the host's 16 in its affinity: none
+    monkeypatch.setattr(ingress_mod, "cgroup_cpu_limit", lambda: 2.0)
+    assert ingress_mod.render_threads(Settings()) == 0
     assert ingress_mod.render_threads(Settings(render_threads=0)) == 0
     assert ingress_mod.render_threads(Settings(render_threads=7)) == 7
+
+
+def test_the_cgroup_cpu_limit_is_read_from_cpu_max(tmp_path):
+    from router.serve.ingress import cgroup_cpu_limit
+    f = tmp_path / "cpu.max"
+    f.write_text("200000 100000\n")
+    assert cgroup_cpu_limit(str(f)) == 2.0
+    f.write_text("max 100000\n")
+    assert cgroup_cpu_limit(str(f)) is None
+    assert cgroup_cpu_limit(str(tmp_path / "absent")) is None
 
 
 async def test_text_the_tokenizer_refuses_past_a_held_head_is_routed_by_load(

@@ -26,8 +26,13 @@ def test_the_blocks_kept_stay_bounded_and_a_block_written_again_outlives_older_o
     for k in range(200):
         recent.record(f"r{k % 4}", system + [10_000 + 20 * k + i for i in range(20)], 60.0)
         assert len(recent) <= 1000
+    for n in (499, 600, 2000):  # long prompts: still within the bound
+        recent.record("big", list(range(10 ** 6 * n, 10 ** 6 * n + n)), 60.0)
+        assert len(recent) <= 1000
+    for k in range(200, 240):
+        recent.record(f"r{k % 4}", system + [10_000 + 20 * k + i for i in range(20)], 60.0)
     assert recent.lookup(system, ["r3"]) == {"r3": 10}  # the last writer, still held
-    assert recent.lookup([10_000 + 20 * 199], ["r3"]) == {"r3": 1}
+    assert recent.lookup([10_000 + 20 * 239], ["r3"]) == {"r3": 1}
     assert recent.lookup([10_000], ["r0"]) == {"r0": 0}  # the oldest-written went first
 
 
@@ -41,3 +46,12 @@ def test_a_replica_that_left_is_forgotten_in_both_generations():
     assert recent.lookup([1], ["a", "b"]) == {"a": 0, "b": 0}
     assert recent.lookup([3], ["a", "b"]) == {"a": 0, "b": 0}
     assert recent.lookup([4], ["a", "b"]) == {"a": 0, "b": 1}
+
+
+def test_removing_a_replica_does_not_bring_back_the_owner_it_replaced():
+    recent = RecentDecisions(ManualClock(), max_blocks=6)
+    recent.record("a", [1, 2], 60.0)
+    recent.record("x", [10, 11], 60.0)  # the current generation turns over
+    recent.record("b", [1], 60.0)  # b takes block 1 over from a
+    recent.remove_replica("b")
+    assert recent.lookup([1, 2], ["a", "b"]) == {"a": 0, "b": 0}

@@ -204,6 +204,12 @@ class MemoryPrefixIndex(PrefixIndex):
         with self._lock:
             return sorted(self._roots_by_replica.get(replica, ()))
 
+    def any_root_entry(self, replica: str) -> int | None:
+        """One of ``root_entries(replica)`` (None when there is none), without copying
+        them."""
+        with self._lock:
+            return next(iter(self._roots_by_replica.get(replica, ())), None)
+
     async def exact_entry_count(self, replica: str) -> int:
         with self._lock:
             return len(self._exact_by_replica.get(replica, ()))

@@ -104,7 +104,7 @@ class EventFeed:
         max_pending_events: write at once when this many events are pending.
     """
 
-    ROOTS_CHECK_S = 1.0  # how often the index's listing of one held root is checked
+    ROOTS_CHECK_S = 1.0  # how often the index's listing of a held root is checked
 
     def __init__(self, replica_id: str, endpoint: str, replay_endpoint: str | None,
                  index: PrefixIndex | None, flush_interval_s: float = 0.01,
@@ -127,8 +127,7 @@ class EventFeed:
         self.resyncs = 0
         self._tasks: list[asyncio.Task] = []
         self._wake = asyncio.Event()
-        self._root_turn = 0  # the record's root that _entries_vanished checks next
-        self._roots_checked = 0.0  # when it last checked one (time.monotonic)
+        self._roots_checked = 0.0  # when _root_to_check last gave a root (time.monotonic)
 
     def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -205,8 +204,9 @@ class EventFeed:
             self._wake.clear()
             if len(self.pending) < self.max_pending_events:
                 await asyncio.sleep(self.flush_interval_s)  # let a burst accumulate
+            root = self._root_to_check()  # before the flush, which writes all it may name
             await self.flush()
-            if self.index is not None and (self.dirty or await self._entries_vanished()):
+            if self.index is not None and (self.dirty or await self._entries_vanished(root)):
                 await self.resync()
 
     async def flush(self) -> None:
@@ -239,21 +239,21 @@ class EventFeed:
                                self.replica_id, exc)
             self.dirty = True
 
-    async def _entries_vanished(self) -> bool:
-        """The index lost this replica's entries (e.g. FLUSHDB) while the engine holds blocks,
-        or its listing among the holders of a root it holds (``<ns>:roots`` deleted or
-        evicted alone: the replica's entries would then never be walked). One root of the
-        record is checked every ``ROOTS_CHECK_S``, in turn, so every root is checked over
-        time. The root is chosen before the first await: the record then holds only what
-        the flush that precedes this call has written."""
-        root = None
+    def _root_to_check(self) -> int | None:
+        """A root block the replica holds by its record, once every ``ROOTS_CHECK_S`` (None
+        otherwise), for ``_entries_vanished``. Taken before a flush: the flush then writes
+        every event the record holds, so the index must list the replica for this root."""
         now = time.monotonic()
-        if now - self._roots_checked >= self.ROOTS_CHECK_S:
-            self._roots_checked = now
-            roots = self.record.root_entries(self.replica_id)
-            if roots:
-                self._root_turn = (self._root_turn + 1) % len(roots)
-                root = roots[self._root_turn]
+        if now - self._roots_checked < self.ROOTS_CHECK_S:
+            return None
+        self._roots_checked = now
+        return self.record.any_root_entry(self.replica_id)
+
+    async def _entries_vanished(self, root: int | None = None) -> bool:
+        """The index lost this replica's entries (e.g. FLUSHDB) while the engine holds blocks,
+        or its listing among the holders of ``root``, a root it holds (``<ns>:roots``
+        deleted or evicted alone: the replica's entries would then never be walked; Redis
+        evicts or deletes a whole key, so one root tells)."""
         if not await self.record.exact_entry_count(self.replica_id):
             return False
         try:
@@ -266,8 +266,13 @@ class EventFeed:
             return False
 
     async def resync(self) -> bool:
-        """Rewrite the replica's exact entries in the index from the local record."""
+        """Rewrite the replica's exact entries in the index from the local record. The
+        events still pending are in the record already: they are dropped here (a flush
+        after the rewrite would count their blocks' copies twice), and the feed is dirty
+        until the rewrite succeeds."""
         held = self.record.exact_entries(self.replica_id)
+        self.pending, self.pending_batch_ts = [], []
+        self.dirty = True
         events: list[KVEvent] = [KVEvent(EventKind.CLEARED)]
         for copies in range(1, max(held.values(), default=0) + 1):
             hs = [h for h, n in held.items() if n >= copies]

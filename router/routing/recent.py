@@ -15,9 +15,9 @@ class RecentDecisions:
     Each decision maps its block hashes to the chosen replica until ``ttl_s`` later (the
     predicted-entry TTL); a later decision over the same block takes it over (one owner per
     block: enough to keep a conversation in place, not a second index). The blocks are kept
-    in two generations (dicts): decisions write into the current one; once it holds
-    ``max_blocks / 2`` blocks it becomes the previous one and the previous one is dropped, so
-    at most ``max_blocks`` are kept and a block written again since the last turn-over is
+    in two generations (dicts): decisions write into the current one; when a write would take
+    it past ``max_blocks / 2`` blocks it becomes the previous one first and the previous one
+    is dropped, so at most ``max_blocks`` are kept and a block written again since the last turn-over is
     kept longest (the oldest-written go first, a generation at a time). A write costs one
     C-level ``dict.update``: popping and re-inserting each block in one dict cost 570 us for
     a 2,048-block prompt in a full dict (its deleted slots force resizes of the whole table),
@@ -39,10 +39,13 @@ class RecentDecisions:
         return len(self._current) + len(self._previous)
 
     def record(self, replica: str, block_hashes: Sequence[int], ttl_s: float) -> None:
-        """``replica`` was chosen for a request of ``block_hashes`` (prompt order)."""
-        self._current.update(dict.fromkeys(block_hashes, (replica, self.clock.now() + ttl_s)))
-        if len(self._current) >= max(1, self.max_blocks // 2):
+        """``replica`` was chosen for a request of ``block_hashes`` (prompt order; past
+        ``max_blocks / 2`` blocks only the leading ones are kept)."""
+        half = max(1, self.max_blocks // 2)
+        block_hashes = block_hashes[:half]
+        if len(self._current) + len(block_hashes) > half:
             self._previous, self._current = self._current, {}
+        self._current.update(dict.fromkeys(block_hashes, (replica, self.clock.now() + ttl_s)))
 
     def _get(self, h: int) -> tuple[str, float] | None:
         e = self._current.get(h)
@@ -69,7 +72,12 @@ class RecentDecisions:
         return out
 
     def remove_replica(self, replica: str) -> None:
-        """Forget the replica's blocks (it left the deployment)."""
-        for gen in (self._current, self._previous):
-            for h in [h for h, e in gen.items() if e[0] == replica]:
-                del gen[h]
+        """Forget the replica's blocks (it left the deployment). A block it owned in the
+        current generation goes from the previous one too: an older owner there was
+        replaced by the later decision and must not come back."""
+        cur, prev = self._current, self._previous
+        for h in [h for h, e in cur.items() if e[0] == replica]:
+            del cur[h]
+            prev.pop(h, None)
+        for h in [h for h, e in prev.items() if e[0] == replica]:
+            del prev[h]

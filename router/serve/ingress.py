@@ -74,6 +74,18 @@ _RENDER_THREADS_AUTO_MAX = 4
 _RENDER_THREADS_MIN_CORES = 4
 
 
+def cgroup_cpu_limit(path: str = "/sys/fs/cgroup/cpu.max") -> float | None:
+    """The CPU limit of this process's cgroup (v2 ``cpu.max``: quota / period, in cores), as
+    a container with a CPU limit has (Kubernetes' ``resources.limits.cpu``); None when there
+    is none or it cannot be read. Affinity alone shows the host's cores in a container."""
+    try:
+        with open(path) as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
 def render_threads(settings: Settings) -> int:
     """How many render threads an ingress process runs: ``settings.render_threads``, or
     when it is None half the cores this process may run on (``os.sched_getaffinity``), at
@@ -87,6 +99,9 @@ def render_threads(settings: Settings) -> int:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
+    quota = cgroup_cpu_limit()
+    if quota is not None:
+        cores = min(cores, max(1, int(quota)))
     if cores < _RENDER_THREADS_MIN_CORES:
         return 0
     return min(_RENDER_THREADS_AUTO_MAX, cores // 2)
@@ -290,8 +305,8 @@ class IngressCore:
                 req, info = self._prepare(path, raw, head, tenant, priority, session)
         if info.rest is not None:
             held = await self._head_held(req.block_hashes)
-            if held:
-                await self._off_loop(self._finish, req, info)
+            if held:  # the whole prompt: on asyncio's threads, not ahead of other renders
+                await asyncio.to_thread(self._finish, req, info)
             metrics.inc("long_prompts", tags={"tokenized": "whole" if held else "head"})
         if self.warmup is not None:
             self.warmup.observe(req.block_hashes, info.token_ids, info.cache_salt,
@@ -561,8 +576,9 @@ class IngressCore:
     async def close(self) -> None:
         """Close the direct path's pooled engine connections and stop the render threads
         (at the ingress's stop)."""
-        if self._render_pool is not None:
-            self._render_pool.shutdown(wait=False, cancel_futures=True)
+        if self._render_pool is not None:  # renders already queued still finish
+            pool, self._render_pool = self._render_pool, None
+            pool.shutdown(wait=False)
         if self._engine_client is not None:
             await self._engine_client.close()
 
