@@ -15,13 +15,13 @@ class RecentDecisions:
     Each decision maps its block hashes to the chosen replica until ``ttl_s`` later (the
     predicted-entry TTL); a later decision over the same block takes it over (one owner per
     block: enough to keep a conversation in place, not a second index). The blocks are kept
-    in two generations (dicts): decisions write into the current one; when a write would take
-    it past ``max_blocks / 2`` blocks it becomes the previous one first and the previous one
-    is dropped, so at most ``max_blocks`` are kept and a block written again since the last turn-over is
-    kept longest (the oldest-written go first, a generation at a time). A write costs one
-    C-level ``dict.update``: popping and re-inserting each block in one dict cost 570 us for
-    a 2,048-block prompt in a full dict (its deleted slots force resizes of the whole table),
-    on the event loop of every routed request.
+    in two generations (dicts): decisions write into the current one; when a write would
+    take it past ``max_blocks / 2`` blocks, it becomes the previous one first and the
+    previous one is dropped. So at most ``max_blocks`` are kept, and a block written again
+    since the last turn-over is kept longest (the oldest-written go first, a generation at
+    a time). A write costs one C-level ``dict.update``: popping and re-inserting each block
+    in one dict cost 570 us for a 2,048-block prompt in a full dict (its deleted slots
+    force resizes of the whole table), on the event loop of every routed request.
 
     Args:
         clock: time source (s).
