@@ -294,8 +294,8 @@ class IngressCore:
         """
         prefix_aware = self.settings.policy_for(policy) == "prefix_aware"
         head = self.settings.route_head_chars if prefix_aware else 0
-        inline = _RENDER_INLINE_MAX_BYTES if self._render_pool is not None else \
-            _RENDER_HEAD_INLINE_MAX_BYTES if head and self.renderer.segments.chunked \
+        inline = _RENDER_HEAD_INLINE_MAX_BYTES if (
+            self._render_pool is None and head and self.renderer.segments.chunked) \
             else _RENDER_INLINE_MAX_BYTES
         if len(raw) > inline:
             req, info = await self._off_loop(self._prepare, path, raw, head, tenant,
@@ -318,9 +318,8 @@ class IngressCore:
         work in arrival order), or on asyncio's default threads when there are none, with
         this task's context (its tracing span). The tokenizer releases the GIL, so a burst
         of long prompts is tokenized on several cores while the loop serves I/O; the parts
-        that hold the GIL (JSON parsing, the chat template, hashing) still take turns."""
-        if self._render_pool is None:
-            return await asyncio.to_thread(fn, *args)
+        that hold the GIL (JSON parsing, the chat template, hashing) still take turns.
+        (``asyncio.to_thread`` is this with the default threads.)"""
         ctx = contextvars.copy_context()
         return await asyncio.get_running_loop().run_in_executor(
             self._render_pool, ctx.run, fn, *args)
