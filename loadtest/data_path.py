@@ -47,6 +47,7 @@ import httpx
 
 from loadtest.report import percentile
 from loadtest.texts import words_text
+from router.serve.protocol import parse_server_timing
 
 PATHS = ("engine", "direct", "serve")
 NAN = float("nan")
@@ -100,9 +101,7 @@ async def shot(client: httpx.AsyncClient, url: str, headers: dict, model: str,
                              headers=headers) as r:
         if r.status_code != 200:
             raise RuntimeError(f"{url}: {r.status_code} {(await r.aread())[:300]!r}")
-        timing = r.headers.get("server-timing", "")
-        routing = float(timing.split("dur=")[1].split(",")[0]) / 1e3 if "dur=" in timing \
-            else None
+        routing = parse_server_timing(r.headers.get("server-timing")).get("routing")
         replica = r.headers.get("x-routed-replica", url)
         async for line in r.aiter_lines():
             if not line.startswith("data: {"):

@@ -60,6 +60,7 @@ from loadtest.texts import (
     trace_rows,
     words_text,
 )
+from router.serve.protocol import parse_server_timing
 
 logger = logging.getLogger(__name__)
 
@@ -227,9 +228,9 @@ class OpenAIUser(HttpUser):
             sample.policy = h.get("x-routing-policy", "")
             if h.get("x-predicted-cached-tokens") is not None:
                 sample.predicted_cached_tokens = int(h["x-predicted-cached-tokens"])
-            timing = h.get("server-timing", "")
-            if "dur=" in timing:
-                sample.routing_s = float(timing.split("dur=")[1].split(",")[0]) / 1e3
+            routing = parse_server_timing(h.get("server-timing")).get("routing")
+            if routing is not None:
+                sample.routing_s = routing
             try:
                 if sample.status != 200:
                     sample.ok = False

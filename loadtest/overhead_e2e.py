@@ -40,6 +40,7 @@ from loadtest.index_bench import text_of
 from loadtest.report import percentile as pct
 from loadtest.report import write_benchmark_doc
 from loadtest.service import start_service
+from router.serve.protocol import parse_server_timing
 
 PROFILE = "h200-qwen2.5-7b"
 
@@ -61,8 +62,7 @@ async def ttft(client: httpx.AsyncClient, url: str,
         if r.status_code != 200:
             raise RuntimeError(f"{url}: {r.status_code} {(await r.aread())[:200]!r}")
         replica = r.headers.get("x-routed-replica")
-        timing = r.headers.get("server-timing", "")
-        routing = float(timing.split("dur=")[1]) / 1e3 if "dur=" in timing else None
+        routing = parse_server_timing(r.headers.get("server-timing")).get("routing")
         first = None
         async for line in r.aiter_lines():  # read to the end: the request completes
             if first is None and line.startswith("data: {"):

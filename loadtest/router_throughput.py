@@ -75,6 +75,7 @@ from dataclasses import dataclass
 
 from loadtest.report import RESULTS, percentile, write_benchmark_doc
 from loadtest.texts import mt_bench_turns, words_text
+from router.serve.protocol import TIMING_PARTS, parse_server_timing
 
 MODEL_NAME = "tiny-qwen2"
 SYSTEM_TOKENS = 1200  # each group's system prompt
@@ -605,31 +606,90 @@ def measure_throughput(stack: Stack, processes: int, concurrency: int = 32,
             "redis_cpu": redis_cpu / elapsed}
 
 
-async def _ttft(session, url: str, body: bytes) -> tuple[float, float | None, bool]:
+async def _ttft(session, url: str, body: bytes) -> tuple[float, dict[str, float], bool]:
     """Seconds from sending ``body`` to the first SSE data line of its answer, the router's
-    own time (s) from ``server-timing``, and whether it was a routed, complete 200."""
+    own time and its parts (s, by name) from ``server-timing``, and whether it was a
+    routed, complete 200."""
     t0 = time.perf_counter()
     first = None
     async with session.post(url + "/v1/chat/completions", data=body,
                             headers={"content-type": "application/json"}) as r:
         ok = r.status == 200 and "x-routed-replica" in r.headers
-        timing = r.headers.get("server-timing", "")
-        routing = float(timing.split("dur=")[1]) / 1e3 if "dur=" in timing else None
+        timing = parse_server_timing(r.headers.get("server-timing"))
         data = b""
         async for line in r.content:
             if first is None and line.startswith(b"data: {"):
                 first = time.perf_counter() - t0
             data += line
     ok = ok and first is not None and b"[DONE]" in data
-    return (first if first is not None else time.perf_counter() - t0), routing, ok
+    return (first if first is not None else time.perf_counter() - t0), timing, ok
+
+
+def _burst_client_main(jobs: list[list[tuple[str, bytes]]], warm: list[tuple[str, bytes]],
+                       barrier, results) -> None:
+    """One client process of a burst: sends ``warm`` (one request per ingress URL it uses,
+    so that its connections are open), then per round waits on ``barrier`` (every client
+    process at once) and sends that round's ``(url, body)`` requests all at once; puts the
+    list of ``_ttft`` results, round after round, on ``results``."""
+    import aiohttp
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        out = []
+        connector = aiohttp.TCPConnector(limit=0)
+        async with aiohttp.ClientSession(connector=connector,
+                                         timeout=aiohttp.ClientTimeout(total=120)) as s:
+            await asyncio.gather(*(_ttft(s, u, b) for u, b in warm))
+            for requests in jobs:
+                await loop.run_in_executor(None, barrier.wait, 120)
+                out += await asyncio.gather(*(_ttft(s, u, b) for u, b in requests))
+        return out
+
+    results.put(asyncio.run(run()))
+
+
+def _burst_in_processes(stack: Stack, urls: list[str], rounds: list[list[bytes]],
+                        warm_body: bytes, clients: int) -> list:
+    """The burst's rounds sent by ``clients`` client processes started together (request
+    ``i`` of a round by client ``i mod clients``, to ``urls[i mod len(urls)]``); the
+    ``_ttft`` results of every request.
+
+    Raises:
+        RuntimeError: a client process did not report within 300 s.
+    """
+    import queue
+
+    ctx = stack.ctx
+    barrier, results = ctx.Barrier(clients), ctx.Queue()
+    procs = []
+    for c in range(clients):
+        jobs = [[(urls[i % len(urls)], b) for i, b in enumerate(bodies) if i % clients == c]
+                for bodies in rounds]
+        used = sorted({u for job in jobs for u, _ in job})
+        procs.append(ctx.Process(target=_burst_client_main, daemon=True, args=(
+            jobs, [(u, warm_body) for u in used], barrier, results)))
+    for p in procs:
+        p.start()
+    try:
+        return [r for _ in procs for r in results.get(timeout=300)]
+    except queue.Empty:
+        raise RuntimeError("a burst client process did not report within 300 s") from None
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
 
 
 def measure_burst(stack: Stack, processes: int, tokens: int = 32768, concurrency: int = 32,
-                  rounds: int = 3, singles: int = 10) -> dict:
+                  rounds: int = 3, singles: int = 10, clients: int = 1) -> dict:
     """docs/fault-cases.md 10.1's burst through the first ``processes`` ingress processes of
     ``stack``: ``singles`` chat requests of about ``tokens`` tokens one at a time, then
     ``rounds`` rounds of ``concurrency`` at once (request ``i`` to process ``i mod P``),
-    every prompt its own system prompt of ``tokens`` tokens.
+    every prompt its own system prompt of ``tokens`` tokens. The burst is sent by one
+    client process (``clients`` 1, its requests on one event loop) or by ``clients``
+    client processes released together by a barrier, as from separate users: the client's
+    own work on 32 requests is then not queued on one loop.
 
     Returns:
         ``single_p50_ms``, ``burst_p50_ms`` / ``burst_p99_ms`` (time to first SSE data
@@ -638,7 +698,10 @@ def measure_burst(stack: Stack, processes: int, tokens: int = 32768, concurrency
         ``single_routing_p50_ms`` (the same for the single requests), ``rest_p50_ms`` /
         ``rest_p99_ms`` (each burst request's time less its server-timing: its body's
         transfer before the handler, the engine call, the relay of the first event and
-        the client's own work), ``ok`` / ``failed`` (requests of both parts).
+        the client's own work), ``<part>_p50_ms`` / ``<part>_p99_ms`` for the parts of
+        the router's own time in the burst (``body``, ``prepare``, ``decide``:
+        ``router.serve.protocol.RoutedRequest.timings``), ``ok`` / ``failed``
+        (requests of both parts).
     """
     import aiohttp
 
@@ -662,22 +725,29 @@ def measure_burst(stack: Stack, processes: int, tokens: int = 32768, concurrency
             single = [await _ttft(s, urls[i % len(urls)], b)
                       for i, b in enumerate(single_bodies[1:])]
             burst = []
-            for bodies in burst_bodies:
+            for bodies in burst_bodies if clients == 1 else []:
                 burst += await asyncio.gather(*(_ttft(s, urls[i % len(urls)], b)
                                                 for i, b in enumerate(bodies)))
                 await asyncio.sleep(0.2)
             return single, burst
 
     single, burst = asyncio.run(run())
+    if clients > 1:
+        burst = _burst_in_processes(stack, urls, burst_bodies, single_bodies[0], clients)
     single_s = [t for t, _, _ in single]
     burst_s = [t for t, _, _ in burst]
-    routing = [r for _, r, _ in burst if r is not None]
-    rest = [t - r for t, r, _ in burst if r is not None]
-    single_routing = [r for _, r, _ in single if r is not None]
+    routing = [r["routing"] for _, r, _ in burst if "routing" in r]
+    rest = [t - r["routing"] for t, r, _ in burst if "routing" in r]
+    single_routing = [r["routing"] for _, r, _ in single if "routing" in r]
+    parts = {}
+    for name in TIMING_PARTS:
+        got = [r[name] for _, r, _ in burst if name in r]
+        parts[f"{name}_p50_ms"] = percentile(got, 0.5, 0.0) * 1e3
+        parts[f"{name}_p99_ms"] = percentile(got, 0.99, 0.0) * 1e3
     s50 = percentile(single_s, 0.5)
     b99 = percentile(burst_s, 0.99)
     return {"processes": processes, "tokens": tokens, "concurrency": concurrency,
-            "rounds": rounds, "singles": singles,
+            "rounds": rounds, "singles": singles, "clients": clients,
             "ok": sum(ok for *_, ok in single + burst),
             "failed": sum(not ok for *_, ok in single + burst),
             "single_p50_ms": s50 * 1e3, "burst_p50_ms": percentile(burst_s, 0.5) * 1e3,
@@ -686,7 +756,7 @@ def measure_burst(stack: Stack, processes: int, tokens: int = 32768, concurrency
             "routing_p99_ms": percentile(routing, 0.99, 0.0) * 1e3,
             "single_routing_p50_ms": percentile(single_routing, 0.5, 0.0) * 1e3,
             "rest_p50_ms": percentile(rest, 0.5, 0.0) * 1e3,
-            "rest_p99_ms": percentile(rest, 0.99, 0.0) * 1e3}
+            "rest_p99_ms": percentile(rest, 0.99, 0.0) * 1e3, **parts}
 
 
 def mean_prompt_tokens(model_dir: str, n_conv: int = 8) -> float:
@@ -786,16 +856,17 @@ def tables(rows: list[dict], bursts: list[dict], mean_tokens: float,
             f"{rows[0]['window_s']:.0f} s window after a warm-up:\n\n" + "\n".join(t)) \
         if rows else "Closed-loop throughput: not measured here (`--burst-only`)."
     if bursts:
-        b = ["| ingress processes | single request p50 (ms) | its router's own time p50 (ms) "
+        b = ["| ingress processes | client processes | single request p50 (ms) | its router's own time p50 (ms) "
              "| 32 at once p50 / p99 (ms) | p99 / single | router's own time p50 / p99 (ms) "
-             "| the rest p50 / p99 (ms) | failed |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| of it: body, prepare, decide p99 (ms) | the rest p50 / p99 (ms) | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
         for r in bursts:
-            b.append(f"| {r['processes']} | {r['single_p50_ms']:.1f} | "
+            b.append(f"| {r['processes']} | {r.get('clients', 1)} | {r['single_p50_ms']:.1f} | "
                      f"{r['single_routing_p50_ms']:.1f} | "
                      f"{r['burst_p50_ms']:.1f} / {r['burst_p99_ms']:.1f} | {r['ratio']:.1f} | "
                      f"{r['routing_p50_ms']:.1f} / {r['routing_p99_ms']:.1f} | "
-                     f"{r['rest_p50_ms']:.1f} / {r['rest_p99_ms']:.1f} | {r['failed']} |")
+                     + ", ".join(f"{r.get(f'{n}_p99_ms', 0.0):.1f}" for n in TIMING_PARTS)
+                     + f" | {r['rest_p50_ms']:.1f} / {r['rest_p99_ms']:.1f} | {r['failed']} |")
         text += (f"\n\ndocs/fault-cases.md 10.1's burst through the same path: "
                  f"{bursts[0]['concurrency']} chat requests of {bursts[0]['tokens']:,} tokens "
                  f"(each its own system prompt) at once, {bursts[0]['rounds']} rounds, time to "
@@ -850,6 +921,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=float, default=3.0, help="seconds before the window")
     ap.add_argument("--window", type=float, default=10.0, help="measuring window (s)")
     ap.add_argument("--no-burst", action="store_true", help="skip the 32-at-once burst")
+    ap.add_argument("--burst-clients", type=int, default=1,
+                    help="client processes that send the burst together (default 1)")
     ap.add_argument("--burst-only", action="store_true",
                     help="skip the closed-loop throughput: the burst alone")
     ap.add_argument("--profile", default=None,
@@ -907,7 +980,7 @@ def _measure(stack: Stack, a: argparse.Namespace, rows: list[dict],
         print(json.dumps(rows[-1]), flush=True)
     if not a.no_burst:
         for p in a.processes:
-            bursts.append(measure_burst(stack, p))
+            bursts.append(measure_burst(stack, p, clients=a.burst_clients))
             print(json.dumps(bursts[-1]), flush=True)
     return mean_tokens
 

@@ -174,7 +174,7 @@ class Ingress:
             tenant = self.keys.authenticate(request.headers.get("authorization"))
             require_json(request.headers.get("content-type"))
             raw = await _read_body(request, self.settings)
-            resp = await self.core.handle(path, raw, t0,
+            resp = await self.core.handle(path, raw, t0, body_s=time.perf_counter() - t0,
                                           policy=request.headers.get("x-routing-policy"),
                                           data_path=request.headers.get("x-data-path"),
                                           tenant=tenant, priority=request.headers.get(

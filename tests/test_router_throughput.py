@@ -14,6 +14,9 @@ def test_the_kit_counts_routed_200s_that_the_engines_answered(model_dir):
         row = measure_throughput(stack, 1, concurrency=4, clients=1, warmup_s=0.5,
                                  window_s=1.5)
         burst = measure_burst(stack, 1, tokens=2048, concurrency=4, rounds=1, singles=2)
+        # the same burst sent by two client processes released together
+        split = measure_burst(stack, 1, tokens=2048, concurrency=4, rounds=2, singles=1,
+                              clients=2)
     assert row["ok"] > 0, row
     assert row["failed"] == 0, row
     assert row["rps"] == row["ok"] / 1.5
@@ -27,5 +30,10 @@ def test_the_kit_counts_routed_200s_that_the_engines_answered(model_dir):
     assert 0 < burst["routing_p50_ms"] <= burst["routing_p99_ms"], burst
     assert 0 < burst["single_routing_p50_ms"] < burst["single_p50_ms"], burst
     assert 0 < burst["rest_p50_ms"] <= burst["rest_p99_ms"] < burst["burst_p99_ms"], burst
+    # and the router's own time into its parts (server-timing's body, prepare, decide)
+    assert all(0 < burst[f"{p}_p50_ms"] <= burst[f"{p}_p99_ms"] <= burst["routing_p99_ms"]
+               for p in ("body", "prepare", "decide")), burst
+    assert split["failed"] == 0 and split["ok"] == 1 + 2 * 4 and split["clients"] == 2, split
+    assert 0 < split["routing_p50_ms"] < split["burst_p99_ms"], split
     text = tables([], [burst], 0.0)  # --burst-only: no throughput rows
     assert "not measured here (`--burst-only`)" in text and "| 1 | " in text, text

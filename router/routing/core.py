@@ -738,5 +738,6 @@ async def route_request(core: RoutingCore, req, replicas: Sequence[ReplicaInfo],
     metrics.get("decision_time").observe(now - t0, tags={"policy": policy.name})
     if req.t_arrival and not req.excluded_replicas:  # first attempt: arrival to dispatch
         req.routing_s = now - req.t_arrival
+        req.timings["decide"] = now - t0
         metrics.get("overhead").observe(req.routing_s, tags={"policy": policy.name})
     return decision

@@ -58,7 +58,7 @@ from router.serve.dispatch import (
 )
 from router.serve.engine_client import ENGINE_ERRORS, EngineClient
 from router.serve.errors import OpenAIError, bad_request, invalid_body, no_replicas
-from router.serve.protocol import ReplicaHead, RoutedRequest, route_label
+from router.serve.protocol import ReplicaHead, RoutedRequest, route_label, server_timing
 from router.serve.ratelimit import RateLimiter, max_output_tokens, request_tokens
 from router.serve.schemas import SCHEMAS, validation_message
 
@@ -376,7 +376,7 @@ class IngressCore:
     async def handle(self, path: str, raw: bytes, t_arrival: float,
                      policy: str | None = None, data_path: str | None = None,
                      tenant: Tenant | None = None, priority: str | None = None,
-                     session: str | None = None) -> Response:
+                     session: str | None = None, body_s: float | None = None) -> Response:
         """Serve one inference request; returns the response to send.
 
         The request is admitted first (``router.serve.admission``: with
@@ -393,6 +393,8 @@ class IngressCore:
             tenant: the authenticated caller (``router.serve.auth``), or None.
             priority: the request's priority header (``Settings.priority_header``), or None.
             session: its session header (``Settings.session_header``), or None.
+            body_s: seconds its body took to read after ``t_arrival``, when the caller
+                read it (``RoutedRequest.timings``).
         Raises:
             OpenAIError: 400 (malformed body or priority, refused ``x-routing-policy`` or
                 ``x-data-path``), 429 (the tenant's rate limit, or overloaded), 503 (no
@@ -406,8 +408,12 @@ class IngressCore:
             self.warmup.start()
         attempt_cls = self._attempt_class(data_path)
         prio = resolve_priority(priority, tenant)
+        t_prepare = time.perf_counter()
         with tracing.span("prepare") as span:
             req = await self.prepare(path, raw, policy, tenant, prio, session)
+        req.timings["prepare"] = time.perf_counter() - t_prepare
+        if body_s is not None:
+            req.timings["body"] = body_s
             if span is not None:
                 tracing.current_span().set_attribute(tracing.ATTR_REQUEST_ID, req.request_id)
                 span.set_attributes({tracing.ATTR_PROMPT_TOKENS: req.prompt_tokens,
@@ -548,8 +554,8 @@ class IngressCore:
                         "x-routing-policy": self.settings.policy_for(req.policy),
                         "x-data-path": "direct" if isinstance(dispatch, DirectAttempt)
                         else "serve"})
-        if req.routing_s is not None:  # W3C Server-Timing: the router's own time
-            headers["server-timing"] = f"routing;dur={req.routing_s * 1e3:.3f}"
+        if req.routing_s is not None:  # W3C Server-Timing: the router's own time, its parts
+            headers["server-timing"] = server_timing(req)
         if dispatch.parent is not None:  # the request's span: who served it, and why
             dispatch.parent.set_attributes({
                 tracing.ATTR_REPLICA: dispatch.replica,

@@ -42,6 +42,12 @@ class RoutedRequest:
             router, in the same process, measures arrival to dispatch from it).
         routing_s: set by the router on the first attempt: arrival to dispatch (s), the
             router's own overhead (``server-timing`` header, ``router_routing_overhead``).
+        timings: the parts of ``routing_s`` (s), by name: ``body`` (reading the request
+            body), ``prepare`` (validation, render, tokenization and hashing, with any wait
+            for a render thread and the head's index lookup) and ``decide`` (the routing
+            decision: the index and the load, one Redis script with Redis); the rest of
+            ``routing_s`` is admission and the rate limits. Each part is set as it ends,
+            on the first attempt only; all three travel in the ``server-timing`` header.
         max_output_tokens: the most the request may generate (``max_completion_tokens``
             or ``max_tokens``, times ``n``; 0 when it names none), for tenants' token limits.
         session_key: its session's key (``router.routing.sessions.session_key``), or None.
@@ -68,7 +74,42 @@ class RoutedRequest:
     session_key: str | None = None
     lora_name: str | None = None
     routing_s: float | None = None
+    timings: dict[str, float] = field(default_factory=dict)
     trace_headers: dict[str, str] | None = None
+
+
+# The parts of the router's own time that the server-timing header names, in this order
+# after ``routing`` (RoutedRequest.timings)
+TIMING_PARTS = ("body", "prepare", "decide")
+
+
+def server_timing(req: RoutedRequest) -> str:
+    """The ``server-timing`` header of an answer (W3C Server Timing: comma-separated
+    ``name;dur=<milliseconds>`` metrics): ``routing`` (arrival to dispatch,
+    ``req.routing_s``) first, then the parts of it in ``req.timings``.
+
+    Example: ``routing;dur=2.310, body;dur=0.080, prepare;dur=1.402, decide;dur=0.611``.
+    """
+    parts = [f"routing;dur={(req.routing_s or 0.0) * 1e3:.3f}"]
+    parts += [f"{name};dur={req.timings[name] * 1e3:.3f}" for name in TIMING_PARTS
+              if name in req.timings]
+    return ", ".join(parts)
+
+
+def parse_server_timing(header: str | None) -> dict[str, float]:
+    """The metrics of a ``server-timing`` header, by name, in seconds (metrics without a
+    ``dur`` or with one that is not a number are left out; an empty dict for None)."""
+    out: dict[str, float] = {}
+    for metric in (header or "").split(","):
+        name, *params = (p.strip() for p in metric.split(";"))
+        for param in params:
+            key, _, value = param.partition("=")
+            if key.strip() == "dur" and name:
+                try:
+                    out[name] = float(value.strip().strip('"')) / 1e3
+                except ValueError:
+                    pass
+    return out
 
 
 # Response headers of the engine that describe its own connection to the proxy, not the
