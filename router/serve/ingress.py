@@ -411,13 +411,13 @@ class IngressCore:
         t_prepare = time.perf_counter()
         with tracing.span("prepare") as span:
             req = await self.prepare(path, raw, policy, tenant, prio, session)
-        req.timings["prepare"] = time.perf_counter() - t_prepare
-        if body_s is not None:
-            req.timings["body"] = body_s
             if span is not None:
                 tracing.current_span().set_attribute(tracing.ATTR_REQUEST_ID, req.request_id)
                 span.set_attributes({tracing.ATTR_PROMPT_TOKENS: req.prompt_tokens,
                                      tracing.ATTR_BLOCKS: len(req.block_hashes)})
+        req.timings["prepare"] = time.perf_counter() - t_prepare
+        if body_s is not None:
+            req.timings["body"] = body_s
         req.policy = policy or None
         req.t_arrival = t_arrival
         route = route_label(path)
