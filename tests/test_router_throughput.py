@@ -35,5 +35,9 @@ def test_the_kit_counts_routed_200s_that_the_engines_answered(model_dir):
                for p in ("body", "prepare", "decide")), burst
     assert split["failed"] == 0 and split["ok"] == 1 + 2 * 4 and split["clients"] == 2, split
     assert 0 < split["routing_p50_ms"] < split["burst_p99_ms"], split
+    # its rounds apart: the first also opened the pools' connections
+    assert 0 < split["first_round_p99_ms"] and 0 < split["later_rounds_p99_ms"], split
+    assert max(split["first_round_p99_ms"], split["later_rounds_p99_ms"]) \
+        == split["burst_p99_ms"], split
     text = tables([], [burst], 0.0)  # --burst-only: no throughput rows
     assert "not measured here (`--burst-only`)" in text and "| 1 | " in text, text
