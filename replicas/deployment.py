@@ -20,7 +20,6 @@ import os
 import time
 from typing import Any, AsyncIterator
 
-import httpx
 from ray import serve
 
 from replicas.engine import EnginePorts, EngineProcess, EngineStartError
@@ -86,11 +85,8 @@ class EngineReplica:
         self.failed = False
         self.started_at = time.time()
         await self.engine.start()
-        self.client = httpx.AsyncClient(  # the engine's control calls: scrapes, probes
-            base_url=self.engine.url,
-            timeout=httpx.Timeout(self.settings.request_timeout_s, connect=5.0),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256))
-        self.engine_http = EngineClient(self.settings.request_timeout_s)  # request path
+        # the engine's calls: the request path, and the control calls (scrapes, probes)
+        self.engine_http = EngineClient(self.settings.request_timeout_s)
         self.stats = RoutingStats()
         # With Redis this replica writes its engine's events to the shared index; without,
         # the router consumes them itself and this feed only watches liveness.
@@ -101,7 +97,8 @@ class EngineReplica:
                               self.index)
         self.feed.health.grace_s = self.settings.kv_events_grace_s
         self.feed.start()
-        self.watch = EngineWatch(self.replica_id, self.settings, self.client, self.feed)
+        self.watch = EngineWatch(self.replica_id, self.settings, self.engine_http,
+                                 self.engine.url, self.feed)
         self.hash_probe = await self.watch.probe_hashes()
         if self.hash_probe == "mismatch":
             logger.error("replica %s: the router will refuse this replica", self.replica_id)
@@ -274,7 +271,7 @@ class EngineReplica:
         lost index and rebuild the entries from its record; this last write wins."""
         if getattr(self, "_monitor", None):  # no engine restart while it drains
             self._monitor.cancel()
-        if getattr(self, "client", None) is not None and getattr(self, "engine", None) \
+        if getattr(self, "engine_http", None) is not None and getattr(self, "engine", None) \
                 and self.settings.drain_timeout_s > 0:
             t0 = time.monotonic()
             if await self.drain(self.settings.drain_timeout_s):

@@ -33,14 +33,13 @@ from pathlib import Path
 from typing import Awaitable, Callable, Sequence
 from urllib.parse import urlsplit
 
-import httpx
-
 from replicas.watch import EngineWatch
 from router.config import ExternalEngine, Settings
 from router.index.base import IndexUnavailable, PrefixIndex
 from router.kv_events.feed import EventFeed
 from router.logs import get_logger
 from router.routing.replica import ReplicaInfo, ReplicaMetadata
+from router.serve.engine_client import ENGINE_ERRORS, EngineClient
 
 logger = get_logger(__name__)
 
@@ -82,12 +81,12 @@ class ExternalReplica:
         self.spec = spec
         self.replica_id = spec.replica_id
         self.settings = settings
-        self.client = httpx.AsyncClient(base_url=spec.url.rstrip("/"),
-                                        timeout=httpx.Timeout(30.0, connect=5.0))
+        self.url = spec.url.rstrip("/")
+        self.client = EngineClient(30.0)  # health checks, scrapes and the hash probe
         self.feed = EventFeed(self.replica_id, spec.kv_events_endpoint,
                               spec.kv_replay_endpoint, index) \
             if spec.kv_events_endpoint else None
-        self.watch = EngineWatch(self.replica_id, settings, self.client, self.feed)
+        self.watch = EngineWatch(self.replica_id, settings, self.client, self.url, self.feed)
         self.alive: bool | None = None
         self.hash_probe = ""
         self._probed_at = 0.0  # time.monotonic() of the last hash probe
@@ -132,11 +131,12 @@ class ExternalReplica:
         """Whether the engine answers: its ``GET /health`` (vLLM's, llama.cpp's server's)
         is 200, or, for a server without one (404), its ``GET /v1/models`` is."""
         try:
-            r = await self.client.get("/health", timeout=2.0)
-            if r.status_code == 404:
-                r = await self.client.get("/v1/models", timeout=2.0)
-            return r.status_code == 200
-        except httpx.HTTPError:
+            status, _, _ = await self.client.call("GET", self.url + "/health", timeout_s=2.0)
+            if status == 404:
+                status, _, _ = await self.client.call("GET", self.url + "/v1/models",
+                                                      timeout_s=2.0)
+            return status == 200
+        except ENGINE_ERRORS:
             return False
 
     def metadata(self) -> ReplicaMetadata:
@@ -170,7 +170,7 @@ class ExternalReplica:
         """Stop the feed and close the HTTP client."""
         if self.feed is not None:
             await self.feed.stop()
-        await self.client.aclose()
+        await self.client.close()
 
 
 class ExternalFleet:

@@ -42,3 +42,36 @@ def test_router_hashes_are_identical_across_processes():
                            cwd=str(__import__("pathlib").Path(__file__).parent.parent)
                            ).stdout for seed in ("1", "2", "random")}
     assert len(outs) == 1 and outs.pop().startswith("[3933666952306121906, 1283280737430802979")
+
+
+def test_the_start_up_heap_is_frozen_out_of_the_collectors_walks(model_dir, monkeypatch):
+    """An ingress process ends its start-up by freezing what it holds (``gc.freeze``): a
+    full collection then walks only what was made since, not the 0.6 M objects of the
+    imports (about 300 ms each on the VM, the process serving nothing meanwhile)."""
+    import asyncio
+    import gc
+
+    from router import app as router_app
+
+    held = [[k] for k in range(1000)]  # objects alive at the end of start-up
+    try:
+        frozen = router_app.freeze_startup_heap()
+        assert frozen >= len(held) and gc.get_freeze_count() >= len(held)
+        assert not any(o is held[0] for o in gc.get_objects())  # out of every generation
+    finally:
+        gc.unfreeze()
+    # the ingress calls it as its start-up's last step, unless the setting is off
+    calls = []
+    cls = router_app.Ingress.func_or_class.__mro__[1]  # the class @serve.ingress wraps
+    # (Serve's decorator copies the class: its methods see a copy of the module's globals)
+    monkeypatch.setitem(cls.__init__.__globals__, "freeze_startup_heap",
+                        lambda: calls.append(1) or 0)
+
+    async def start(**settings):
+        ingress = cls({"model": str(model_dir), **settings}, None)
+        ingress._warmup.cancel()
+        await ingress.core.close()
+
+    asyncio.run(start())
+    asyncio.run(start(gc_freeze_at_start=False))
+    assert calls == [1]
