@@ -866,12 +866,14 @@ def tables(rows: list[dict], bursts: list[dict], mean_tokens: float,
                  f"{r['ingress_cpu'] * 100:.0f} % | {r['client_cpu'] * 100:.0f} % | "
                  f"{r['redis_cpu'] * 100:.0f} % |")
     text = (f"Closed loop, 2k-token multi-turn chat turns (mean {mean_tokens:,.0f} prompt "
-            f"tokens), streamed, 1 output token, {rows[0]['engines']} zero-time engines, {redis_desc}; "
+            f"tokens), streamed, 1 output token, {rows[0]['engines']} zero-time engines, "
+            f"{redis_desc}; "
             f"{rows[0]['window_s']:.0f} s window after a warm-up:\n\n" + "\n".join(t)) \
         if rows else "Closed-loop throughput: not measured here (`--burst-only`)."
     if bursts:
-        b = ["| ingress processes | client processes | single request p50 (ms) | its router's own time p50 (ms) "
-             "| 32 at once p50 / p99 (ms) | p99 / single | router's own time p50 / p99 (ms) "
+        b = ["| ingress processes | client processes | single request p50 (ms) "
+             "| its router's own time p50 (ms) | 32 at once p50 / p99 (ms) | p99 / single "
+             "| router's own time p50 / p99 (ms) "
              "| of it: body, prepare, decide p99 (ms) | the rest p50 / p99 (ms) "
              "| p99 first round / later rounds (ms) | failed |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]

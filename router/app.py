@@ -134,8 +134,9 @@ def freeze_startup_heap() -> int:
     collection over them took about 300 ms on the 2-core VM, during which the process
     serves nothing; after the freeze, a few microseconds (docs/benchmarks.md, "Start-up
     objects and the garbage collector"). vLLM's API server does the same after its own
-    start-up (``vllm.utils.gc_utils.freeze_gc_heap``). Objects frozen are still freed when their
-    reference count falls to zero; only reference cycles among them are never collected.
+    start-up (``vllm.utils.gc_utils.freeze_gc_heap``). Objects frozen are still freed when
+    their reference count falls to zero; only reference cycles among them are never
+    collected.
 
     Returns:
         The number of objects frozen (``gc.get_freeze_count()``).
