@@ -139,7 +139,7 @@ class EngineWatch:
                 raise EngineStatusError(status)
         except (EngineStatusError, *ENGINE_ERRORS) as exc:
             logger.error("hash probe of replica %s could not run: %s", self.replica_id,
-                         exc or type(exc).__name__)
+                         str(exc) or type(exc).__name__)
             return "no_events"
         self.probe_ran = True
         deadline = time.monotonic() + timeout_s
