@@ -629,6 +629,25 @@ async def _ttft(session, url: str, body: bytes) -> tuple[float, dict[str, float]
     return (first if first is not None else time.perf_counter() - t0), timing, ok
 
 
+def _round_jobs(urls: list[str], rounds: list[list[bytes]], clients: int = 1,
+                client: int = 0) -> list[list[tuple[str, bytes]]]:
+    """Per round, the ``(url, body)`` requests that client ``client`` of ``clients`` sends:
+    request ``i`` of a round by client ``i mod clients``, to ``urls[i mod len(urls)]``."""
+    return [[(urls[i % len(urls)], b) for i, b in enumerate(bodies) if i % clients == client]
+            for bodies in rounds]
+
+
+async def _send_rounds(session, jobs: list[list[tuple[str, bytes]]], wait) -> list:
+    """Each round of ``jobs`` sent all at once, after ``await wait(k)`` for round ``k``;
+    the ``(round, _ttft result)`` of every request."""
+    out = []
+    for k, requests in enumerate(jobs):
+        await wait(k)
+        out += [(k, r) for r in await asyncio.gather(*(_ttft(session, u, b)
+                                                       for u, b in requests))]
+    return out
+
+
 def _burst_client_main(jobs: list[list[tuple[str, bytes]]], warm: list[tuple[str, bytes]],
                        barrier, results) -> None:
     """One client process of a burst: sends ``warm`` (one request per ingress URL it uses,
@@ -639,16 +658,12 @@ def _burst_client_main(jobs: list[list[tuple[str, bytes]]], warm: list[tuple[str
 
     async def run():
         loop = asyncio.get_running_loop()
-        out = []
         connector = aiohttp.TCPConnector(limit=0)
         async with aiohttp.ClientSession(connector=connector,
                                          timeout=aiohttp.ClientTimeout(total=120)) as s:
             await asyncio.gather(*(_ttft(s, u, b) for u, b in warm))
-            for k, requests in enumerate(jobs):
-                await loop.run_in_executor(None, barrier.wait, 120)
-                out += [(k, r) for r in await asyncio.gather(*(_ttft(s, u, b)
-                                                               for u, b in requests))]
-        return out
+            return await _send_rounds(
+                s, jobs, lambda k: loop.run_in_executor(None, barrier.wait, 120))
 
     results.put(asyncio.run(run()))
 
@@ -668,8 +683,7 @@ def _burst_in_processes(stack: Stack, urls: list[str], rounds: list[list[bytes]]
     barrier, results = ctx.Barrier(clients), ctx.Queue()
     procs = []
     for c in range(clients):
-        jobs = [[(urls[i % len(urls)], b) for i, b in enumerate(bodies) if i % clients == c]
-                for bodies in rounds]
+        jobs = _round_jobs(urls, rounds, clients, c)
         used = sorted({u for job in jobs for u, _ in job})
         procs.append(ctx.Process(target=_burst_client_main, daemon=True, args=(
             jobs, [(u, warm_body) for u in used], barrier, results)))
@@ -731,12 +745,10 @@ def measure_burst(stack: Stack, processes: int, tokens: int = 32768, concurrency
             await asyncio.gather(*(_ttft(s, u, single_bodies[0]) for u in urls))  # warm
             single = [await _ttft(s, urls[i % len(urls)], b)
                       for i, b in enumerate(single_bodies[1:])]
-            burst = []
-            for k, bodies in enumerate(burst_bodies if clients == 1 else []):
-                burst += [(k, r) for r in await asyncio.gather(
-                    *(_ttft(s, urls[i % len(urls)], b) for i, b in enumerate(bodies)))]
-                await asyncio.sleep(0.2)
-            return single, burst
+            if clients > 1:
+                return single, None
+            return single, await _send_rounds(  # rounds 0.2 s apart
+                s, _round_jobs(urls, burst_bodies), lambda k: asyncio.sleep(0.2 if k else 0))
 
     single, burst = asyncio.run(run())
     if clients > 1:
