@@ -721,7 +721,11 @@ def measure_burst(stack: Stack, processes: int, tokens: int = 32768, concurrency
         the router's own time in the burst (``body``, ``prepare``, ``decide``:
         ``router.serve.protocol.RoutedRequest.timings``), ``first_round_p99_ms`` /
         ``later_rounds_p99_ms`` (the first round also opens connections: the client's to
-        the ingress, the ingress's to Redis and to the engines), ``ok`` / ``failed``
+        the ingress, the ingress's to Redis and to the engines), ``cpu_ms_per_request``
+        (the ingress processes' CPU, all threads, from the first round's start to the
+        last answer, per request routed meanwhile: the burst's, and with several client
+        processes their warm-up requests too; ``/proc`` counts CPU in 10 ms ticks per
+        process, and the engine polls of that time are in it), ``ok`` / ``failed``
         (requests of both parts).
     """
     import aiohttp
@@ -747,12 +751,22 @@ def measure_burst(stack: Stack, processes: int, tokens: int = 32768, concurrency
                       for i, b in enumerate(single_bodies[1:])]
             if clients > 1:
                 return single, None
-            return single, await _send_rounds(  # rounds 0.2 s apart
-                s, _round_jobs(urls, burst_bodies), lambda k: asyncio.sleep(0.2 if k else 0))
 
+            async def wait(k):  # rounds 0.2 s apart; the CPU counted from the first
+                if k == 0:
+                    cpu0.extend(_cpu_s(p.pid) for p in ingress)
+                else:
+                    await asyncio.sleep(0.2)
+            return single, await _send_rounds(s, _round_jobs(urls, burst_bodies), wait)
+
+    ingress, cpu0 = stack.ingress[:processes], []
     single, burst = asyncio.run(run())
+    counted = rounds * concurrency  # the requests the ingress CPU below was spent on
     if clients > 1:
+        cpu0 = [_cpu_s(p.pid) for p in ingress]
         burst = _burst_in_processes(stack, urls, burst_bodies, single_bodies[0], clients)
+        counted += clients * len(urls)  # each client's warm-up requests, one per ingress
+    cpu_ms = sum(_cpu_s(p.pid) - c for p, c in zip(ingress, cpu0)) * 1e3 / counted
     # the first round also opens the pools' connections (client to ingress, ingress to
     # Redis and to the engines): the warm-up opened one per ingress process
     first = [t for k, (t, _, _) in burst if k == 0]
@@ -782,7 +796,8 @@ def measure_burst(stack: Stack, processes: int, tokens: int = 32768, concurrency
             "rest_p50_ms": percentile(rest, 0.5, 0.0) * 1e3,
             "rest_p99_ms": percentile(rest, 0.99, 0.0) * 1e3,
             "first_round_p99_ms": percentile(first, 0.99, 0.0) * 1e3,
-            "later_rounds_p99_ms": percentile(later, 0.99, 0.0) * 1e3, **parts}
+            "later_rounds_p99_ms": percentile(later, 0.99, 0.0) * 1e3,
+            "cpu_ms_per_request": cpu_ms, **parts}
 
 
 def mean_prompt_tokens(model_dir: str, n_conv: int = 8) -> float:
@@ -887,8 +902,8 @@ def tables(rows: list[dict], bursts: list[dict], mean_tokens: float,
              "| its router's own time p50 (ms) | 32 at once p50 / p99 (ms) | p99 / single "
              "| router's own time p50 / p99 (ms) "
              "| of it: body, prepare, decide p99 (ms) | the rest p50 / p99 (ms) "
-             "| p99 first round / later rounds (ms) | failed |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| p99 first round / later rounds (ms) | ingress CPU per request (ms) | failed |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in bursts:
             b.append(f"| {r['processes']} | {r.get('clients', 1)} | {r['single_p50_ms']:.1f} | "
                      f"{r['single_routing_p50_ms']:.1f} | "
@@ -897,7 +912,8 @@ def tables(rows: list[dict], bursts: list[dict], mean_tokens: float,
                      + ", ".join(f"{r.get(f'{n}_p99_ms', 0.0):.1f}" for n in TIMING_PARTS)
                      + f" | {r['rest_p50_ms']:.1f} / {r['rest_p99_ms']:.1f} | "
                      f"{r.get('first_round_p99_ms', 0.0):.1f} / "
-                     f"{r.get('later_rounds_p99_ms', 0.0):.1f} | {r['failed']} |")
+                     f"{r.get('later_rounds_p99_ms', 0.0):.1f} | "
+                     f"{r.get('cpu_ms_per_request', 0.0):.1f} | {r['failed']} |")
         text += (f"\n\ndocs/fault-cases.md 10.1's burst through the same path: "
                  f"{bursts[0]['concurrency']} chat requests of {bursts[0]['tokens']:,} tokens "
                  f"(each its own system prompt) at once, {bursts[0]['rounds']} rounds, time to "

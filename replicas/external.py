@@ -77,12 +77,15 @@ class ExternalReplica:
             Redis index while this process holds its feeder lease), or None.
     """
 
-    def __init__(self, spec: ExternalEngine, settings: Settings, index: PrefixIndex | None):
+    def __init__(self, spec: ExternalEngine, settings: Settings, index: PrefixIndex | None,
+                 client: EngineClient | None = None):
         self.spec = spec
         self.replica_id = spec.replica_id
         self.settings = settings
         self.url = spec.url.rstrip("/")
-        self.client = EngineClient(30.0)  # health checks, scrapes and the hash probe
+        # health checks, scrapes and the hash probe; a client of its own unless given one
+        self._own_client = client is None
+        self.client = EngineClient(30.0) if client is None else client
         self.feed = EventFeed(self.replica_id, spec.kv_events_endpoint,
                               spec.kv_replay_endpoint, index) \
             if spec.kv_events_endpoint else None
@@ -167,10 +170,11 @@ class ExternalReplica:
                 logger.warning("could not clear %s's entries: %s", self.replica_id, exc)
 
     async def close(self) -> None:
-        """Stop the feed and close the HTTP client."""
+        """Stop the feed, and close the HTTP client if it is this replica's own."""
         if self.feed is not None:
             await self.feed.stop()
-        await self.client.close()
+        if self._own_client:
+            await self.client.close()
 
 
 class ExternalFleet:
@@ -186,13 +190,20 @@ class ExternalFleet:
         publish: called with the engines' records after every poll.
         lease_s: the feeder lease's TTL (s): how long a router that stopped renewing it
             keeps the others from writing the engine's events.
+        client: the HTTP client of the polls, or None for one per engine. The ingress
+            passes its data path's own (``IngressCore.engine_client``): a poll every
+            ``external_engines_poll_s`` (2 s), shorter than the client's keep-alive (4 s),
+            then keeps a connection to each engine open in the pool the requests take
+            theirs from, and a request after a quiet spell does not open one on its
+            critical path. The caller closes it.
     """
 
     def __init__(self, settings: Settings, index: PrefixIndex,
                  on_removed: Callable[[str], Awaitable[None]],
                  publish: Callable[[tuple[ReplicaInfo, ...]], None],
-                 lease_s: float = FEEDER_LEASE_S):
+                 lease_s: float = FEEDER_LEASE_S, client: EngineClient | None = None):
         self.settings = settings
+        self.client = client
         self.lease_s = lease_s
         self.index = index
         self.on_removed = on_removed
@@ -271,7 +282,7 @@ class ExternalFleet:
         for rid, spec in wanted.items():
             if rid not in self.replicas:
                 r = ExternalReplica(spec, self.settings,
-                                    None if self.shared_index else self.index)
+                                    None if self.shared_index else self.index, self.client)
                 r.start()
                 self.replicas[rid] = r
                 logger.info("external engine %s joins: %s (KV events: %s)", rid, spec.url,

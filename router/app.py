@@ -167,7 +167,8 @@ class Ingress:
             self.fleet = ExternalFleet(
                 self.settings, state.make_index(self.settings),
                 on_removed=self.core.routing_core().forget_replica,
-                publish=lambda infos: state.put("external_replicas", infos))
+                publish=lambda infos: state.put("external_replicas", infos),
+                client=self.core.engine_client())
             self.fleet.start()
         if self.settings.gc_freeze_at_start:
             freeze_startup_heap()
@@ -187,7 +188,9 @@ class Ingress:
         """Ping one engine replica through the handle, so that its router starts and hears
         of the replica set. With no replica (none started yet, or none in Ray: external
         engines only) the call waits in the handle's queue, where it would count as demand
-        for an autoscaler: it is cancelled after ``timeout_s``; the router stays."""
+        for an autoscaler: it is cancelled after ``timeout_s``; the router stays. Opens the
+        process's Redis connections first (``IngressCore.open_connections``)."""
+        await self.core.open_connections()
         response = self.engine_handle.ping.remote()
         try:
             async with asyncio.timeout(timeout_s):

@@ -249,6 +249,12 @@ class Settings(BaseSettings):
     redis_timeout_s: float = Field(
         0.05, gt=0, description="Bound on one index round trip; beyond it routing falls back to "
                                 "load alone for that request.")
+    redis_warm_connections: int = Field(
+        16, ge=0, description="Connections to Redis each ingress process opens at start-up "
+                              "(and keeps: redis-py never closes an idle one), so that the "
+                              "first burst of concurrent requests does not open one per "
+                              "request on its critical path (a TCP connect and redis-py's "
+                              "CLIENT SETINFO round trips). 0: opened on demand only.")
     index_namespace: str = Field("prefix-router", description="Prefix of every Redis key.")
     redis_cluster: bool = Field(
         False, description="redis_url is a node of a Redis Cluster: the router uses redis-py's "

@@ -75,6 +75,30 @@ async def test_an_engine_that_hashes_otherwise_is_routed_on_predicted_entries_on
     assert published and published[-1] == tuple(infos.values())
 
 
+async def test_polls_through_the_data_paths_client_keep_a_connection_to_each_engine_open(
+        sims, model_dir):
+    """A fleet given the ingress's engine client polls through it: after a poll its pool
+    holds an idle keep-alive connection to each engine (a request then opens none), and
+    stopping the fleet leaves the client, the caller's, open."""
+    from router.serve.engine_client import EngineClient
+
+    client = EngineClient(30.0)
+    settings = Settings(model=str(model_dir), external_engines=[sims["same"],
+                                                                sims["other"]])
+    fleet = _fleet(settings, MemoryPrefixIndex(), [], client=client)
+    try:
+        await fleet.poll()
+        idle = {key.port: len(conns) for key, conns in client.session.connector._conns.items()}
+        ports = {int(e.url.rsplit(":", 1)[1]) for e in settings.external_engines}
+        assert set(idle) == ports and all(n >= 1 for n in idle.values())
+    finally:
+        await fleet.stop()
+    assert not client.session.closed
+    status, _, _ = await client.call("GET", sims["same"].url + "/health", timeout_s=5.0)
+    assert status == 200
+    await client.close()
+
+
 async def test_one_router_writes_an_engines_events_to_redis_and_another_takes_over(
         sims, model_dir):
     ns = f"test-external-{uuid.uuid4().hex[:6]}"

@@ -499,3 +499,29 @@ async def test_a_replica_id_the_holders_list_cannot_hold_is_refused(index):
             await index.apply_events(bad, [stored(1, 2, parent=None)])
         with pytest.raises(ValueError, match="zero byte"):
             await index.lookup([1, 2], ["ok", bad])
+
+
+async def test_connections_opened_at_start_serve_a_burst_without_opening_more():
+    """``open_connections(n)`` leaves ``n`` connections in the loop's pool, and ``n`` calls
+    at once afterwards take those (none opened on their path); a Redis that does not answer
+    raises ``IndexUnavailable`` (the ingress logs it and opens connections on demand)."""
+    import asyncio
+
+    conn = RedisConnections(REDIS_URL, 2.0)
+    try:
+        assert await conn.open_connections(0) == 0
+        assert await conn.open_connections(6) == 6
+        pool = conn.client().connection_pool
+        opened = set(map(id, pool._available_connections))
+        assert len(opened) == 6 and not pool._in_use_connections
+
+        async def slow_ping(client):  # held long enough that all six overlap
+            return await client.execute_command("EVAL", "return redis.call('PING')", 0)
+        await asyncio.gather(*(conn.call(slow_ping) for _ in range(6)))
+        assert set(map(id, pool._available_connections)) == opened  # the same six
+    finally:
+        await conn.close()
+    down = RedisConnections("redis://127.0.0.1:1/0", 0.05)
+    with pytest.raises(IndexUnavailable):
+        await down.open_connections(3)
+    await down.close()

@@ -587,6 +587,25 @@ class IngressCore:
         if self._engine_client is not None:
             await self._engine_client.close()
 
+    async def open_connections(self) -> int:
+        """Open ``redis_warm_connections`` connections to Redis on this loop now (at the
+        ingress's start; ``RedisConnections.open_connections``), so that the first burst
+        of concurrent requests finds them open. A Redis that does not answer is logged and
+        left to open connections on demand (routing degrades to load meanwhile, as for any
+        index failure).
+
+        Returns:
+            The connections open in the pool (0 without Redis, or when it failed).
+        """
+        n = self.settings.redis_warm_connections
+        if not self.settings.redis_url or n <= 0:
+            return 0
+        try:
+            return await state.redis_connections(self.settings).open_connections(n)
+        except IndexUnavailable as exc:
+            logger.warning("could not open %d connections to Redis at start-up: %s", n, exc)
+            return 0
+
     def routing_core(self):
         """The ``RoutingCore`` of the direct path, made on first use on the ingress's loop."""
         if self._routing is None:
