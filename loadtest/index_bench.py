@@ -840,6 +840,10 @@ def main(argv: list[str] | None = None) -> int:
                          "gives the same bytes on any machine; it also needs --redis-url)")
     ap.add_argument("--processes", nargs="+", type=int, default=[1, 2],
                     help="ingress process counts for the 32-way concurrent run")
+    ap.add_argument("--tokens", nargs="+", type=int, default=[1024, 8192, 32768, 131072],
+                    help="prompt lengths of --only lookup")
+    ap.add_argument("--replicas", nargs="+", type=int, default=[2, 8, 32, 64],
+                    help="candidate counts of --only lookup")
     ap.add_argument("--no-doc", action="store_true")
     ap.add_argument("--suffix", default="",
                     help="appended to the docs/benchmarks.md section headings (another "
@@ -852,8 +856,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.only in (None, "lookup"):
         rows = []
         for scenario in ("typical", "adversarial"):
-            for tokens in (1024, 8192, 32768, 131072):
-                for n in (2, 8, 32, 64):
+            for tokens in a.tokens:
+                for n in a.replicas:
                     iters = a.iters if tokens <= 8192 else max(a.iters // 10, 30)
                     row = asyncio.run(bench_lookup(a.redis_url, tokens, n, iters, scenario))
                     rows.append(row)
