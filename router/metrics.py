@@ -96,6 +96,11 @@ def _make() -> dict[str, Any]:
                                 tag_keys=("op",)),
         "index_available": Gauge("router_index_available",
                                  "1 while the last index call succeeded, else 0."),
+        "index_layout_conflict": Gauge(
+            "router_index_layout_conflict",
+            "1 while routers of another key layout (another version) share the index's "
+            "namespace: this router then routes without the shared index "
+            "(router.index.layout)."),
         "hash_mismatch": Gauge("router_replica_hash_mismatch",
                                "1 for a replica whose hash settings differ from the router's "
                                "(it gets no cache-aware traffic).", tag_keys=("replica",)),
@@ -290,6 +295,7 @@ def record_engine_load(replica: str, running: float, waiting: float,
 # by every router process that watches it: the same value, kept once.
 _FLEET_VIEW_GAUGES = {"router_replicas_without_kv_events": max, "router_index_entries": max,
                       "router_replica_hash_mismatch": max, "router_index_available": min,
+                      "router_index_layout_conflict": max,
                       "router_engine_requests": max, "router_engine_kv_cache_usage": max}
 
 # Labels Ray's exporter adds per process; dropping them sums a series over processes.

@@ -44,6 +44,8 @@ Block hashes are field names of 8 bytes (the 64-bit hash, big-endian: ``block_fi
   that left (``rehome``); the prefixes' token ids stay in that process's memory;
 * ``<ns>:feeder:<replica>``: the lease (``SET NX`` with a TTL, renewed) of the one ingress
   process that writes the KV events of an engine reached by URL (``replicas.external``);
+* ``<ns>:layouts``: hash ``layout version -> expiry (ms)`` of the presence of the routers
+  that use the namespace with that layout (``LAYOUT_VERSION``; ``router.index.layout``);
 * ``<ns>:rate:{<tenant digest>}:<kind>:<window>``: a tenant's requests or tokens in one
   minute window (``lua/rate_limit.lua``; the tenant's name is not stored, only the first 16
   hex digits of its SHA-256; the braces put a tenant's counters in one cluster slot).
@@ -56,12 +58,18 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
+import re
 import struct
 from typing import Any, Sequence
 
 from router.index.base import GONE_TTL_S  # noqa: F401 - the tombstone's TTL, named here too
 
 _LUA_DIR = Path(__file__).with_name("lua")
+
+# The version of the layout above: raise it with every change of a key's name, type or
+# value format that a router of the previous version would misread. Routers of two layouts
+# never use one namespace's keys at the same time (router.index.layout).
+LAYOUT_VERSION = 1
 
 
 def check_replica_id(replica: str) -> str:
@@ -100,6 +108,7 @@ class RedisKeys:
         self.router_prefix = f"{base}:router:"
         self.session_prefix = f"{namespace}:session:"  # + session digest: its replica
         self.drained = f"{namespace}:drained"  # set of the replicas an operator drained
+        self.layouts = f"{namespace}:layouts"  # layout version -> expiry of its presence
 
     def exact(self, replica: str) -> str:
         """The replica's exact entries (block hash -> copies).
@@ -156,8 +165,8 @@ class RedisKeys:
         return f"{self.namespace}:rate:{{{digest}}}:{kind}:{window}"
 
     def pattern(self) -> str:
-        """``SCAN`` pattern of every key of the namespace."""
-        return f"{self.namespace}:*"
+        """``SCAN`` pattern of every key of the namespace (its glob characters escaped)."""
+        return re.sub(r"([*?\[\]\\])", r"\\\1", self.namespace) + ":*"
 
 
 CLUSTER_SLOTS = 16384  # Redis Cluster's hash slots (the cluster spec's "Keys distribution model")
@@ -290,17 +299,19 @@ def load_lua(name: str) -> str:
 
 class Scripts:
     """The router's Lua scripts registered on one client (``redis.asyncio.Redis``), by
-    name: ``route``, ``lease``, ``record_predicted``, ``apply_events``, ``rate_limit``.
+    name: ``route``, ``lease``, ``record_predicted``, ``apply_events``, ``rate_limit``,
+    ``layout``.
     Registering sends nothing; the first call loads a script (``EVALSHA``, then ``EVAL``
     on a miss)."""
 
-    NAMES = ("route", "lease", "record_predicted", "apply_events", "rate_limit")
+    NAMES = ("route", "lease", "record_predicted", "apply_events", "rate_limit", "layout")
     _sources: dict[str, str] = {}
     route: Any  # redis.commands.core.AsyncScript, each
     lease: Any
     record_predicted: Any
     apply_events: Any
     rate_limit: Any
+    layout: Any
 
     def __init__(self, client):
         for name in self.NAMES:

@@ -109,6 +109,9 @@ class RedisConnections:
         cluster: the URL is a Redis Cluster node's (``Settings.redis_cluster``): the client
             is ``redis.asyncio.cluster.RedisCluster``, which sends each command to the
             master of its keys' slot and follows ``MOVED``/``ASK`` redirections.
+        layout_namespace: the namespace whose key layout every call checks first
+            (``router.index.layout.LayoutGuard``: while routers of another layout use it,
+            each call raises ``LayoutConflict``), or None for no check.
     """
 
     # bound of the calls that must not be lost (lease releases): longer than a routing call's
@@ -119,7 +122,8 @@ class RedisConnections:
     MAX_LATE_CALLS = 256
 
     def __init__(self, url: str, timeout_s: float,
-                 connection_kwargs: dict[str, Any] | None = None, cluster: bool = False):
+                 connection_kwargs: dict[str, Any] | None = None, cluster: bool = False,
+                 layout_namespace: str | None = None):
         self.url = url
         self.timeout_s = timeout_s
         self.connection_kwargs = dict(connection_kwargs or {})
@@ -128,6 +132,10 @@ class RedisConnections:
         self._clients: dict[tuple[int, float], Any] = {}
         self._topology_reads: dict[int, asyncio.Future] = {}  # cluster client id -> read
         self._late: set[asyncio.Future] = set()  # calls left running (call_or_leave)
+        self.layout = None  # see layout_namespace
+        if layout_namespace is not None:
+            from router.index.layout import LayoutGuard
+            self.layout = LayoutGuard(layout_namespace)
 
     def client(self, timeout_s: float | None = None) -> aioredis.Redis:
         """This event loop's client whose connect timeout is ``timeout_s`` (default: the
@@ -175,6 +183,8 @@ class RedisConnections:
                 client = self.client(t)
                 if self.cluster and getattr(client, "_initialize", False):
                     await asyncio.shield(self._topology(client))
+                if self.layout is not None:
+                    await self.layout.ensure(client)
                 return await coro_fn(client, *args)
         except (RedisError, RedisClusterException, OSError, asyncio.TimeoutError) as exc:
             raise IndexUnavailable(f"redis at {self.shown_url}: {type(exc).__name__}: "

@@ -53,14 +53,16 @@ def replica_ids() -> frozenset[str] | None:
 
 def redis_connections(settings: Settings):
     """The process's Redis connections for ``settings`` (one client per event loop; a
-    cluster client with ``redis_cluster``)."""
+    cluster client with ``redis_cluster``), whose calls check the namespace's key layout
+    first (``router.index.layout``)."""
     from router.index.redis import RedisConnections
 
     return shared(f"redis:{settings.redis_url}:{settings.redis_timeout_s}:"
-                  f"{settings.redis_cluster}",
+                  f"{settings.redis_cluster}:{settings.index_namespace}",
                   lambda: RedisConnections(settings.redis_url, settings.redis_timeout_s,
                                            settings.redis_connection_kwargs(),
-                                           cluster=settings.redis_cluster))
+                                           cluster=settings.redis_cluster,
+                                           layout_namespace=settings.index_namespace))
 
 
 def make_load_tracker(settings: Settings):
