@@ -17,18 +17,27 @@ from router.kv_events.wire import KVEvent
 from tests.conftest import REDIS_URL
 
 
-def _conn(ns: str, version: int) -> RedisConnections:
-    conn = RedisConnections(REDIS_URL, 2.0)
+def _conn(ns: str, version: int, url: str = REDIS_URL, cluster: bool = False):
+    conn = RedisConnections(url, 2.0, cluster=cluster)
     conn.layout = LayoutGuard(ns, version=version, presence_s=0.6, check_s=0.1)
     return conn
 
 
-async def test_two_layouts_leave_the_namespace_alone_until_one_is_gone_then_it_is_cleared():
+@pytest.mark.parametrize("backend", ["redis", "redis-cluster"])
+async def test_two_layouts_leave_the_namespace_alone_until_one_is_gone_then_it_is_cleared(
+        backend, request):
+    """On one Redis, and on a Redis Cluster (the clear scans every master)."""
     ns = f"layout-{uuid.uuid4().hex[:8]}"
-    admin = redis.Redis.from_url(REDIS_URL)
-    new, old = _conn(ns, 2), _conn(ns, 1)
-    new_index = RedisPrefixIndex(REDIS_URL, ns, connections=new)
-    old_index = RedisPrefixIndex(REDIS_URL, ns, connections=old)
+    if backend == "redis-cluster":
+        url = request.getfixturevalue("redis_cluster").url
+        admin = redis.RedisCluster.from_url(url)
+    else:
+        url, admin = REDIS_URL, redis.Redis.from_url(REDIS_URL)
+    cluster = backend == "redis-cluster"
+    new, old = _conn(ns, 2, url, cluster), _conn(ns, 1, url, cluster)
+    groups = {"shard_groups": 3} if cluster else {}
+    new_index = RedisPrefixIndex(url, ns, connections=new, **groups)
+    old_index = RedisPrefixIndex(url, ns, connections=old, **groups)
     try:
         # the old layout alone: it reads and writes as always
         await old_index.apply_events("a", [KVEvent("stored", [1, 2, 3], None)])
@@ -58,7 +67,7 @@ async def test_two_layouts_leave_the_namespace_alone_until_one_is_gone_then_it_i
             except LayoutConflict:
                 await asyncio.sleep(0.1)
         assert new.layout.others == [] and new.layout.cleared > 0
-        assert sorted(admin.scan_iter(match=f"{ns}:*")) == [f"{ns}:layouts".encode()]
+        assert sorted(set(admin.scan_iter(match=f"{ns}:*"))) == [f"{ns}:layouts".encode()]
         assert list(admin.hgetall(f"{ns}:layouts")) == [b"2"]
         await new_index.apply_events("a", [KVEvent("stored", [1, 2], None)])
         assert (await new_index.lookup([1, 2, 3], ["a"]))["a"] == 2
