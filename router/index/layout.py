@@ -60,6 +60,7 @@ class LayoutGuard:
 
     PRESENCE_S = 30.0
     CHECK_S = 5.0
+    CHECK_TIMEOUT_S = 2.0  # bound of one check's script call (the clear is not bounded)
 
     def __init__(self, namespace: str, version: int = LAYOUT_VERSION,
                  presence_s: float = PRESENCE_S, check_s: float = CHECK_S,
@@ -110,9 +111,10 @@ class LayoutGuard:
         layouts present."""
         from router import metrics
 
-        others, dropped = await self._scripts.of(client).layout(
-            keys=[self.keys.layouts],
-            args=[self.version, int(self.clock() * 1000), int(self.presence_s * 1000)])
+        async with asyncio.timeout(self.CHECK_TIMEOUT_S):  # a hung Redis: checked again later
+            others, dropped = await self._scripts.of(client).layout(
+                keys=[self.keys.layouts],
+                args=[self.version, int(self.clock() * 1000), int(self.presence_s * 1000)])
         others = sorted(v.decode() if isinstance(v, bytes) else str(v) for v in others)
         if others != (self.others or []):
             if others:
