@@ -75,3 +75,43 @@ def test_the_start_up_heap_is_frozen_out_of_the_collectors_walks(model_dir, monk
     asyncio.run(start())
     asyncio.run(start(gc_freeze_at_start=False))
     assert calls == [1]
+
+
+async def test_the_ingress_opens_its_redis_connections_at_start_and_survives_a_dead_redis(
+        model_dir):
+    """``IngressCore.open_connections``: ``redis_warm_connections`` connections in the
+    loop's pool; a Redis that does not answer is logged, not raised (the ingress starts and
+    opens connections on demand)."""
+    import logging
+    import uuid
+
+    from router.serve import state
+    from router.serve.ingress import IngressCore
+    from tests.conftest import REDIS_URL
+
+    ns = f"warm-{uuid.uuid4().hex[:8]}"
+    core = IngressCore(Settings(model=str(model_dir), redis_url=REDIS_URL, index_namespace=ns,
+                                redis_warm_connections=5), engine_handle=None)
+    try:
+        assert await core.open_connections() == 5
+    finally:
+        await state.redis_connections(core.settings).close()
+        await core.close()
+    dead = IngressCore(Settings(model=str(model_dir), redis_url="redis://127.0.0.1:1/0",
+                                index_namespace=ns, redis_timeout_s=0.05), engine_handle=None)
+    logged: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: logged.append(record.getMessage())
+    logger = logging.getLogger("ray.serve.router.serve.ingress")  # router.logs.get_logger
+    logger.addHandler(handler)
+    try:
+        assert await dead.open_connections() == 0
+        assert any("could not open 16 connections to Redis" in m for m in logged)
+    finally:
+        logger.removeHandler(handler)
+        await state.redis_connections(dead.settings).close()
+        await dead.close()
+    off = IngressCore(Settings(model=str(model_dir), redis_url=REDIS_URL, index_namespace=ns,
+                               redis_warm_connections=0), engine_handle=None)
+    assert await off.open_connections() == 0
+    await off.close()
