@@ -781,35 +781,45 @@ CALLS_NOTES = """Reading: `RedisConnections.call` against `call_or_leave` (the r
 script's call: a task per call, so that a call past the routing bound is left running and
 settled, docs/fault-cases.md 8.3) on one connection, a PING each, in alternating blocks of 200
 on one event loop so that both see the same machine load; the medians and the added time per
-call. A routed request makes one such call."""
+call. A routed request makes one such call. *Guarded*: `call` on connections with the
+key-layout guard of a namespace (`router.index.layout`, as every router process has: each
+call first asks it, and one call every 5 s also renews the layout's presence), in the same
+rotation."""
 
 
-async def bench_calls(url: str, iters: int = 20000, block: int = 200) -> dict:
-    """Time per Redis call (us) through ``RedisConnections.call`` and ``call_or_leave``,
-    ``iters`` PINGs in alternating blocks of ``block``; p50 and mean of each, and their
-    differences."""
+async def bench_calls(url: str, iters: int = 30000, block: int = 200) -> dict:
+    """Time per Redis call (us) through ``RedisConnections.call``, ``call_or_leave`` and
+    ``call`` with the key-layout guard (``layout_namespace``), ``iters`` PINGs in blocks of
+    ``block`` taking turns; p50 and mean of each, and their differences from ``call``."""
     conn = RedisConnections(url, 1.0)
+    ns = f"bench-{uuid.uuid4().hex[:6]}"
+    guarded = RedisConnections(url, 1.0, layout_namespace=ns)
 
     async def ping(client):
         return await client.ping()
 
-    times: dict[str, list[float]] = {"call": [], "call_or_leave": []}
-    for _ in range(block):  # connect and warm both paths
-        await conn.call(ping)
-        await conn.call_or_leave(ping)
+    fns = {"call": conn.call, "call_or_leave": conn.call_or_leave, "guarded": guarded.call}
+    times: dict[str, list[float]] = {mode: [] for mode in fns}
+    for _ in range(block):  # connect and warm every path
+        for fn in fns.values():
+            await fn(ping)
+    modes = list(fns)
     for k in range(iters):
-        mode = "call_or_leave" if (k // block) % 2 else "call"
-        fn = conn.call_or_leave if mode == "call_or_leave" else conn.call
+        mode = modes[(k // block) % len(modes)]
+        fn = fns[mode]
         t0 = time.perf_counter()
         await fn(ping)
         times[mode].append(time.perf_counter() - t0)
+    await conn.call(lambda c: c.delete(f"{ns}:layouts"))
     await conn.close()
+    await guarded.close()
     out = {"iters": iters, "block": block}
     for mode, xs in times.items():
         out[f"{mode}_p50_us"] = statistics.median(xs) * 1e6
         out[f"{mode}_mean_us"] = statistics.fmean(xs) * 1e6
     out["added_p50_us"] = out["call_or_leave_p50_us"] - out["call_p50_us"]
     out["added_mean_us"] = out["call_or_leave_mean_us"] - out["call_mean_us"]
+    out["guard_added_p50_us"] = out["guarded_p50_us"] - out["call_p50_us"]
     return out
 
 
@@ -934,11 +944,13 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), flush=True)
         text = one_row_table(
             ["Python", "PINGs", "call p50 (us)", "call_or_leave p50 (us)", "added p50 (us)",
-             "call mean (us)", "call_or_leave mean (us)", "added mean (us)"],
+             "call mean (us)", "call_or_leave mean (us)", "added mean (us)",
+             "guarded call p50 (us)", "guard added p50 (us)"],
             [f"{sys.version_info.major}.{sys.version_info.minor}", row['iters']]
             + [f"{row[k]:.1f}" for k in ("call_p50_us", "call_or_leave_p50_us",
                                          "added_p50_us", "call_mean_us",
-                                         "call_or_leave_mean_us", "added_mean_us")])
+                                         "call_or_leave_mean_us", "added_mean_us",
+                                         "guarded_p50_us", "guard_added_p50_us")])
         print(text)
         if not a.no_doc:
             write_benchmark_doc("Redis call: left running past its bound" + a.suffix,

@@ -203,7 +203,7 @@ class RedisConnections:
         cancelled as ``call`` cancels it (a Redis that hangs cannot pile up tasks), and
         its ``LateCall`` has no reply.
 
-        Costs a task per call: 28 us more than ``call`` on the 2-core VM
+        Costs a task per call: 20-28 us more than ``call`` on the 2-core VM
         (``python -m loadtest.index_bench --only calls``, docs/benchmarks.md).
 
         Raises:
