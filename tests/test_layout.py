@@ -41,6 +41,8 @@ async def test_two_layouts_leave_the_namespace_alone_until_one_is_gone_then_it_i
     try:
         # the old layout alone: it reads and writes as always
         await old_index.apply_events("a", [KVEvent("stored", [1, 2, 3], None)])
+        admin.sadd(f"{ns}:drained", "a")  # an operator's drain: kept through the clear
+        admin.set(f"{ns}:canary:load", 1)  # another namespace that begins with this one
         assert (await old_index.lookup([1, 2, 3], ["a"]))["a"] == 3
         # a router of the new layout comes: it refuses at its first call...
         with pytest.raises(LayoutConflict, match="layout 1"):
@@ -67,12 +69,13 @@ async def test_two_layouts_leave_the_namespace_alone_until_one_is_gone_then_it_i
             except LayoutConflict:
                 await asyncio.sleep(0.1)
         assert new.layout.others == [] and new.layout.cleared > 0
-        assert sorted(set(admin.scan_iter(match=f"{ns}:*"))) == [f"{ns}:layouts".encode()]
+        assert sorted(set(admin.scan_iter(match=f"{ns}:*"))) == [
+            f"{ns}:canary:load".encode(), f"{ns}:drained".encode(), f"{ns}:layouts".encode()]
         assert list(admin.hgetall(f"{ns}:layouts")) == [b"2"]
         await new_index.apply_events("a", [KVEvent("stored", [1, 2], None)])
         assert (await new_index.lookup([1, 2, 3], ["a"]))["a"] == 2
     finally:
-        await new_index.flush()
+        await new_index.flush()  # every key of the namespace, the canary's too
         await new_index.close()
         await old_index.close()
         admin.close()
@@ -83,17 +86,92 @@ async def test_the_same_layout_shares_the_namespace_and_a_first_check_that_fails
     one, two = _conn(ns, 1), _conn(ns, 1)
     a = RedisPrefixIndex(REDIS_URL, ns, connections=one)
     b = RedisPrefixIndex(REDIS_URL, ns, connections=two)
-    down = RedisConnections("redis://127.0.0.1:1/0", 0.05, layout_namespace=ns)
+    flaky = _conn(ns, 1)
+    real, tries = flaky.layout._script, []
+
+    async def fails_once(client, op=""):
+        tries.append(op)
+        if len(tries) == 1:
+            raise redis.ConnectionError("connection reset")
+        return await real(client, op)
+    flaky.layout._script = fails_once
     try:
         await a.apply_events("a", [KVEvent("stored", [7, 8], None)])
         assert (await b.lookup([7, 8], ["a"]))["a"] == 2
         assert one.layout.others == [] == two.layout.others
-        for _ in range(2):  # no answer: no verdict kept, each call tries again
-            with pytest.raises(IndexUnavailable):
-                await down.call(lambda c: c.ping())
-            assert down.layout.others is None
+        # the first check fails: that call is refused, no verdict is kept; the next call
+        # checks again, and goes through
+        with pytest.raises(IndexUnavailable, match="key layout check"):
+            await flaky.call(lambda c: c.ping())
+        assert flaky.layout.others is None
+        assert await flaky.call(lambda c: c.ping()) is True
+        assert len(tries) == 2 and flaky.layout.others == []
     finally:
         await a.flush()
         await a.close()
         await b.close()
-        await down.close()
+        await flaky.close()
+
+
+def test_two_event_loops_of_one_process_wait_each_for_their_own_first_check():
+    """A Serve ingress process runs two loops (its own, Serve's router's) on one set of
+    connections: a call on the second loop while the first loop's first check is slow
+    neither fails nor waits on the other loop's task."""
+    import threading
+
+    ns = f"layout-{uuid.uuid4().hex[:8]}"
+    conn = _conn(ns, 1)
+    real = conn.layout._script
+
+    async def slow(client, op=""):
+        await asyncio.sleep(0.3)
+        return await real(client, op)
+    conn.layout._script = slow
+    results: dict[str, object] = {}
+
+    def on_loop(name: str, delay: float) -> None:
+        async def go():
+            await asyncio.sleep(delay)
+            try:
+                results[name] = await conn.call(lambda c: c.ping())
+            except Exception as exc:  # noqa: BLE001 - the test reports what it was
+                results[name] = exc
+            finally:
+                await conn.close()
+        asyncio.run(go())
+
+    threads = [threading.Thread(target=on_loop, args=("first", 0.0)),
+               threading.Thread(target=on_loop, args=("second", 0.1))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert results == {"first": True, "second": True}
+    redis.Redis.from_url(REDIS_URL).delete(f"{ns}:layouts")
+
+
+def test_a_clear_whose_process_stopped_is_taken_over_and_the_others_wait_meanwhile():
+    """``lua/layout.lua``: while a clear is marked (and renewed), the others see
+    "clearing"; once its mark has expired (its process stopped), the next check clears."""
+    from router.redis_keys import load_lua
+
+    ns = f"layout-{uuid.uuid4().hex[:8]}"
+    r = redis.Redis.from_url(REDIS_URL)
+    script = r.register_script(load_lua("layout"))
+    key = f"{ns}:layouts"
+    try:
+        r.hset(key, mapping={"1": 1000, "2": 50_000})  # layout 1 left at t=1 s
+        assert script(keys=[key], args=["2", 10_000, 30_000, ""]) == [[b"clearing"], 1]
+        # the clearer renews its mark at t=20 s; another router of layout 2 checks at
+        # t=45 s: it waits
+        assert script(keys=[key], args=["2", 20_000, 30_000, "renew"]) == [[b"clearing"], 0]
+        assert script(keys=[key], args=["2", 45_000, 30_000, ""]) == [[b"clearing"], 0]
+        # the clearer stopped: at t=60 s its mark has expired; this check clears
+        assert script(keys=[key], args=["2", 60_000, 30_000, ""]) == [[b"clearing"], 1]
+        assert script(keys=[key], args=["2", 61_000, 30_000, "done"]) == [[], 0]
+        # a live other layout: no clear, whatever expired
+        r.hset(key, mapping={"3": 100_000, "4": 1})
+        assert script(keys=[key], args=["2", 62_000, 30_000, ""]) == [[b"3"], 0]
+    finally:
+        r.delete(key)
+        r.close()

@@ -17,9 +17,14 @@ So each process that uses Redis marks its layout present in the namespace (the h
   of the other layout, if they have this guard, do the same); logged once, and the gauge
   ``router_index_layout_conflict`` is 1;
 * once the other layout's presence has expired (its last router stopped ``PRESENCE_S``
-  ago), the one process whose check drops it deletes every other key of the namespace
-  (what remains was written by the other layout's rules, or during the overlap), and all
-  go back to the shared index, which the engines' KV events and new decisions then fill.
+  ago), the one process whose check drops it deletes the namespace's keys (what remains
+  was written by the other layout's rules, or during the overlap), all but ``<ns>:layouts``
+  and the operator's drained set, and only keys of the router's kinds (``KINDS``), so a
+  namespace that begins with this one and a colon is left alone. Meanwhile it marks the
+  clear in ``<ns>:layouts`` ("clearing", renewed as it goes), and every process, itself
+  included, stays off the namespace until it is done; a clear whose process stopped is
+  taken over by the next check once its mark expires. Then all go back to the shared
+  index, which the engines' KV events and new decisions fill again.
 
 Routers of a version without this guard do not mark their presence: an upgrade from such
 a version is not detected.
@@ -45,13 +50,16 @@ class LayoutConflict(IndexUnavailable):
 class LayoutGuard:
     """The layout check of one process's Redis connections in one namespace.
 
-    ``RedisConnections.call`` calls ``ensure`` before each call: the first waits for the
-    check's answer; later ones start a new check every ``check_s`` without waiting for it.
+    ``RedisConnections.call`` calls ``ensure`` before each call: on each event loop the
+    first call waits for that loop's first check; later ones start a new check every
+    ``check_s`` without waiting for it. Each loop runs its own checks (a Serve ingress
+    process has two loops: its own and Serve's router's); their verdict is shared.
 
     Args:
         namespace: ``Settings.index_namespace``.
         version: this router's layout (``router.redis_keys.LAYOUT_VERSION``).
-        presence_s: how long a check keeps this layout marked present (s).
+        presence_s: how long a check keeps this layout marked present (s), and a clear
+            under way marked so between two of its renewals.
         check_s: how often the presence is renewed and the others read (s); well below
             ``presence_s``, so a live router's presence never lapses between two checks.
         clock: wall-clock seconds (``time.time``), the presences' time base; routers whose
@@ -61,6 +69,12 @@ class LayoutGuard:
     PRESENCE_S = 30.0
     CHECK_S = 5.0
     CHECK_TIMEOUT_S = 2.0  # bound of one check's script call (the clear is not bounded)
+    CLEAR_BATCH = 500  # keys deleted per DEL (per slot on a cluster: redis-py splits them)
+    # The namespace's key kinds (router.redis_keys: the part after "<ns>:"); a clear deletes
+    # only those, so that the keys of a namespace that begins with this one and a colon are
+    # left alone. The drained set is kept: an operator's drains outlast an upgrade.
+    KINDS = ("x", "p", "gone", "roots", "replicas", "load", "leases", "router", "session",
+             "warmup", "feeder", "rate")
 
     def __init__(self, namespace: str, version: int = LAYOUT_VERSION,
                  presence_s: float = PRESENCE_S, check_s: float = CHECK_S,
@@ -70,76 +84,110 @@ class LayoutGuard:
         self.presence_s = presence_s
         self.check_s = check_s
         self.clock = clock
-        self.others: list[str] | None = None  # present other layouts; None before a check
-        self.cleared = 0  # keys deleted when another layout's presence ended
-        self._due = 0.0  # time.monotonic() of the next check
-        self._check: asyncio.Task | None = None
+        # the other layouts present, and "clearing" while the namespace is being cleared;
+        # None before any check answered (every loop's calls wait for their first check)
+        self.others: list[str] | None = None
+        self.cleared = 0  # keys this process deleted when another layout's routers left
+        self._checks: dict[int, tuple[float, asyncio.Task | None]] = {}  # loop -> due, task
         self._scripts = ScriptCache()
 
     async def ensure(self, client) -> None:
-        """Start the check when due (awaited when none has answered yet), then raise
-        ``LayoutConflict`` while another layout is present.
+        """Start this loop's check when due (awaited while none of this loop's has
+        answered), then raise ``LayoutConflict`` while another layout is present or the
+        namespace is being cleared.
 
         Raises:
-            LayoutConflict: another layout is present (as of the last check).
-            RedisError, OSError, asyncio.TimeoutError: the first check failed (the caller
-                turns them into ``IndexUnavailable``; the next call checks again).
+            LayoutConflict: as above (as of the last check).
+            IndexUnavailable: this loop's first check failed (the next call checks again).
         """
-        loop = asyncio.get_running_loop()
-        running = self._check is not None and not self._check.done() \
-            and self._check.get_loop() is loop  # a check of another loop's client: not ours
-        if time.monotonic() >= self._due and not running:
-            self._due = time.monotonic() + self.check_s
-            self._check = asyncio.ensure_future(self.check(client))
-            self._check.add_done_callback(_retrieve)
-        if self.others is None:
+        loop = id(asyncio.get_running_loop())
+        due, task = self._checks.get(loop, (0.0, None))
+        if time.monotonic() >= due and (task is None or task.done()):
+            task = asyncio.ensure_future(self.check(client))
+            task.add_done_callback(_retrieve)
+            self._checks[loop] = (time.monotonic() + self.check_s, task)
+        if self.others is None or not task.done() and due == 0.0:
             try:
-                await asyncio.shield(self._check)
-            except BaseException:
-                self._due = 0.0  # no answer yet: the next call checks again
+                await asyncio.shield(task)
+            except (asyncio.CancelledError, IndexUnavailable):
                 raise
+            except Exception as exc:
+                self._checks[loop] = (0.0, None)  # no answer: the next call checks again
+                raise IndexUnavailable(f"key layout check: {type(exc).__name__}: {exc}") \
+                    from exc
         if self.others:
             raise LayoutConflict(
-                f"routers of key layout {', '.join(self.others)} use namespace "
-                f"{self.keys.namespace!r} (this router writes layout {self.version}): the "
-                f"shared index is not used until they are gone (or give each version its "
-                f"own index_namespace)")
+                f"namespace {self.keys.namespace!r} is "
+                + ("being cleared of another key layout's keys" if self.others == ["clearing"]
+                   else f"used by routers of key layout {', '.join(self.others)} (this router "
+                        f"writes layout {self.version})")
+                + ": the shared index is not used meanwhile (give each version its own "
+                  "index_namespace to keep it)")
+
+    async def _script(self, client, op: str = "") -> tuple[list[str], int]:
+        async with asyncio.timeout(self.CHECK_TIMEOUT_S):  # a hung Redis: checked again later
+            others, clear = await self._scripts.of(client).layout(
+                keys=[self.keys.layouts], args=[self.version, int(self.clock() * 1000),
+                                                int(self.presence_s * 1000), op])
+        return sorted(v.decode() if isinstance(v, bytes) else str(v) for v in others), clear
 
     async def check(self, client) -> list[str]:
-        """Mark this layout present, read the others present (``lua/layout.lua``), clear
-        the namespace when this check found another layout's presence ended; the other
-        layouts present."""
-        from router import metrics
-
-        async with asyncio.timeout(self.CHECK_TIMEOUT_S):  # a hung Redis: checked again later
-            others, dropped = await self._scripts.of(client).layout(
-                keys=[self.keys.layouts],
-                args=[self.version, int(self.clock() * 1000), int(self.presence_s * 1000)])
-        others = sorted(v.decode() if isinstance(v, bytes) else str(v) for v in others)
-        if others != (self.others or []):
-            if others:
-                logger.error("routers of key layout %s share namespace %r with this one "
-                             "(layout %s): routing without the shared index until they are "
-                             "gone", ", ".join(others), self.keys.namespace, self.version)
-            elif self.others:
-                logger.warning("the routers of another key layout left namespace %r: the "
-                               "shared index is used again", self.keys.namespace)
-        self.others = others
-        metrics.get("index_layout_conflict").set(1 if others else 0)
-        if dropped:
+        """Mark this layout present and read the others (``lua/layout.lua``); when this
+        process is the one to clear the keys a layout that left behind, clear them first.
+        The other layouts present (and ``"clearing"`` while another process clears)."""
+        others, clear = await self._script(client)
+        if clear:
+            self._set(["clearing"])
             self.cleared += await self._clear(client)
+            others, _ = await self._script(client, "done")
+        self._set(others)
         return others
 
+    def _set(self, others: list[str]) -> None:
+        from router import metrics
+
+        conflict = [v for v in others if v != "clearing"]
+        if others != (self.others or []):
+            if conflict:
+                logger.error("routers of key layout %s share namespace %r with this one "
+                             "(layout %s): routing without the shared index until they are "
+                             "gone", ", ".join(conflict), self.keys.namespace, self.version)
+            elif not others and self.others:
+                logger.warning("namespace %r: no other key layout's routers are left: the "
+                               "shared index is used again", self.keys.namespace)
+        self.others = others
+        metrics.get("index_layout_conflict").set(1 if conflict else 0)
+
     async def _clear(self, client) -> int:
-        """Delete every key of the namespace but ``<ns>:layouts``; how many were deleted."""
-        n = 0
+        """Delete the namespace's keys of every kind (``KINDS``), the drained set and
+        ``<ns>:layouts`` kept, in batches; renew the clear's mark every ``check_s``. How
+        many were deleted."""
+        prefix = f"{self.keys.namespace}:".encode()
+        kinds = {k.encode() for k in self.KINDS}
+        n, batch, renewed = 0, [], time.monotonic()
         async for key in client.scan_iter(match=self.keys.pattern(), count=1000):
-            if key != self.keys.layouts.encode():
-                n += await client.delete(key)
+            kind = key[len(prefix):].split(b":", 1)[0]
+            if kind in kinds or kind.startswith(b"{"):  # a shard group's keys: <ns>:{tag}:..
+                batch.append(key)
+            if len(batch) >= self.CLEAR_BATCH:
+                n += await client.delete(*batch)
+                batch = []
+                if time.monotonic() - renewed >= self.check_s:
+                    await self._script(client, "renew")
+                    renewed = time.monotonic()
+        if batch:
+            n += await client.delete(*batch)
         logger.warning("namespace %r: another key layout's routers are gone; deleted the %d "
-                       "keys they and this layout left, for this layout's routers to fill "
+                       "keys left (its drained set kept), for this layout's routers to fill "
                        "again", self.keys.namespace, n)
         return n
+
+    def cancel(self) -> None:
+        """Cancel the running loop's check (its connections are closing)."""
+        loop = id(asyncio.get_running_loop())
+        _, task = self._checks.pop(loop, (0.0, None))
+        if task is not None and not task.done():
+            task.cancel()
 
 
 def _retrieve(task: asyncio.Task) -> None:

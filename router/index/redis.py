@@ -303,6 +303,8 @@ class RedisConnections:
         running = asyncio.get_running_loop()
         for task in [t for t in self._late if t.get_loop() is running]:
             task.cancel()  # a late answer has nobody left to settle it
+        if self.layout is not None:
+            self.layout.cancel()
         loop = id(running)
         for key in [k for k in self._clients if k[0] == loop]:
             client = self._clients.pop(key)
