@@ -115,3 +115,5 @@ async def test_the_ingress_opens_its_redis_connections_at_start_and_survives_a_d
                                redis_warm_connections=0), engine_handle=None)
     assert await off.open_connections() == 0
     await off.close()
+    import redis
+    redis.Redis.from_url(REDIS_URL).delete(f"{ns}:layouts")  # the one key the checks wrote
