@@ -243,3 +243,54 @@ def test_parse_server_timing_reads_every_metric_and_skips_malformed_ones():
     assert parse_server_timing(None) == {}
     assert parse_server_timing('routing;dur=2.5, db;desc="x";dur="1.25", cache, x;dur=abc') \
         == {"routing": 0.0025, "db": 0.00125}
+
+
+async def test_another_key_layout_in_the_namespace_routes_by_load_then_the_index_comes_back(
+        model_dir, engines):
+    """Routers of another key layout present in the namespace (``router.index.layout``):
+    requests are answered, routed by load (``fallback``), never failed; once that layout's
+    presence has expired, the namespace is cleared and the shared index is used again."""
+    import asyncio
+    import uuid
+
+    import redis
+
+    from tests.conftest import REDIS_URL, make_text
+
+    ns = f"layout-direct-{uuid.uuid4().hex[:8]}"
+    admin = redis.Redis.from_url(REDIS_URL)
+    admin.hset(f"{ns}:layouts", "999", int(time.time() * 1000) + 60_000)
+    state.put("replica_infos", tuple(
+        ReplicaInfo(r, {"engine_url": engines.urls[r]}, {"engine_alive": True})
+        for r in ("a", "b")))
+    settings = Settings(model=str(model_dir), index_namespace=ns, redis_url=REDIS_URL,
+                        redis_timeout_s=1.0)
+    core = IngressCore(settings, engine_handle=None)
+    guard = state.redis_connections(settings).layout
+    body = json.dumps({"model": "tiny-qwen2", "prompt": make_text(300, "layout"),
+                       "max_tokens": 1}).encode()
+    try:
+        r = await core.handle(COMPLETIONS_PATH, body, 0.0)
+        assert r.status_code == 200 and r.headers["x-routing-reason"] == "fallback"
+        assert guard.others == ["999"]
+        # layout 999's routers are gone: its presence expires; the next check (forced
+        # here instead of waiting its 5 s) drops it and clears the namespace
+        admin.hset(f"{ns}:layouts", "999", int(time.time() * 1000) - 1)
+        guard._checks.clear()
+        reasons = []
+        for _ in range(20):
+            r = await core.handle(COMPLETIONS_PATH, body, 0.0)
+            assert r.status_code == 200
+            reasons.append(r.headers["x-routing-reason"])
+            if reasons[-1] != "fallback":
+                break
+            await asyncio.sleep(0.05)
+        assert reasons[-1] in ("cache", "load"), reasons
+        assert guard.others == [] and list(admin.hgetall(f"{ns}:layouts")) == [b"1"]
+    finally:
+        await core.engine_client().close()
+        await state.redis_connections(settings).close()
+        state.put("replica_infos", None)
+        for key in admin.scan_iter(match=f"{ns}:*"):
+            admin.delete(key)
+        admin.close()
