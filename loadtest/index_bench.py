@@ -108,14 +108,18 @@ async def bench_lookup(url: str, tokens: int, n_replicas: int, iters: int,
         lookup_s.append(time.perf_counter() - t0)
     lookup_us = (await script_usec(stats)) - lookup_us
     atomic = AtomicRoute(index, load)
+
+    async def route(request_id: str) -> None:
+        await atomic.route(request_id, tokens, hashes, replicas, [15.0] * n_replicas,
+                           block_size=BS, prefill_rate=20000.0, work_weight=1.0,
+                           decode_step_s_per_seq=3e-5, step_token_budget=8192, tie_abs_s=0.002,
+                           tie_rel=0.05, u=rng.random())
+
     route_us = 0.0
     for it in range(iters):
         before = await script_usec(stats)  # the release below runs a script too
         t0 = time.perf_counter()
-        await atomic.route(f"q{it}", tokens, hashes, replicas, [15.0] * n_replicas,
-                           block_size=BS, prefill_rate=20000.0, work_weight=1.0,
-                           decode_step_s_per_seq=3e-5, step_token_budget=8192, tie_abs_s=0.002,
-                           tie_rel=0.05, u=rng.random())
+        await route(f"q{it}")
         route_s.append(time.perf_counter() - t0)
         route_us += (await script_usec(stats)) - before
         await load.release(f"q{it}")
@@ -127,10 +131,7 @@ async def bench_lookup(url: str, tokens: int, n_replicas: int, iters: int,
         ids = [f"s{k}" for k in range(s0, min(s0 + ROUTE_SPAN, iters))]
         before = await script_usec(stats)
         for rid in ids:
-            await atomic.route(rid, tokens, hashes, replicas, [15.0] * n_replicas,
-                               block_size=BS, prefill_rate=20000.0, work_weight=1.0,
-                               decode_step_s_per_seq=3e-5, step_token_budget=8192,
-                               tie_abs_s=0.002, tie_rel=0.05, u=rng.random())
+            await route(rid)
         span_us += (await script_usec(stats)) - before
         for rid in ids:
             await load.release(rid)
