@@ -165,8 +165,40 @@ class RedisKeys:
         return f"{self.namespace}:rate:{{{digest}}}:{kind}:{window}"
 
     def pattern(self) -> str:
-        """``SCAN`` pattern of every key of the namespace (its glob characters escaped)."""
+        """``SCAN`` pattern of every key of the namespace (its glob characters escaped).
+        It also matches the keys of a namespace that begins with this one and a colon
+        (``<ns>:canary``): ``own_keys`` leaves those out."""
         return re.sub(r"([*?\[\]\\])", r"\\\1", self.namespace) + ":*"
+
+    def kind(self, key: bytes) -> str | None:
+        """The kind of ``key`` (the word after ``<ns>:``, one of ``KINDS``; ``"group"`` for
+        a shard group's ``<ns>:{<tag>}:...``), or None for a key that is not this
+        namespace's: another namespace's, or one that begins with this one and a colon
+        (``<ns>:canary:x:...``)."""
+        prefix = self.namespace.encode() + b":"
+        if not key.startswith(prefix):
+            return None
+        word = key[len(prefix):].split(b":", 1)[0]
+        if word.startswith(b"{"):
+            return "group"
+        word = word.decode("utf-8", "replace")
+        return word if word in KINDS else None
+
+    async def own_keys(self, client, kinds: Sequence[str] = ()):
+        """Yield (async) the namespace's keys (bytes) of ``kinds`` (default: every kind
+        and the shard groups' keys), found by ``SCAN`` (on a cluster client, on every
+        master). The keys of a namespace that begins with this one and a colon are not
+        this one's and are never yielded."""
+        wanted = set(kinds) if kinds else set(KINDS) | {"group"}
+        async for key in client.scan_iter(match=self.pattern(), count=1000):
+            if self.kind(key) in wanted:
+                yield key
+
+
+# The kinds of key a namespace holds: the word after ``<ns>:`` in the layout above (a shard
+# group's keys have their hash tag there instead: kind "group").
+KINDS = ("x", "p", "gone", "roots", "replicas", "load", "leases", "router", "session",
+         "warmup", "feeder", "rate", "drained", "layouts")
 
 
 CLUSTER_SLOTS = 16384  # Redis Cluster's hash slots (the cluster spec's "Keys distribution model")

@@ -75,7 +75,9 @@ async def test_two_layouts_leave_the_namespace_alone_until_one_is_gone_then_it_i
         await new_index.apply_events("a", [KVEvent("stored", [1, 2], None)])
         assert (await new_index.lookup([1, 2, 3], ["a"]))["a"] == 2
     finally:
-        await new_index.flush()  # every key of the namespace, the canary's too
+        await new_index.flush()  # every key of the namespace, none of the canary's
+        assert sorted(set(admin.scan_iter(match=f"{ns}:*"))) == [f"{ns}:canary:load".encode()]
+        admin.delete(f"{ns}:canary:load")
         await new_index.close()
         await old_index.close()
         admin.close()
@@ -175,3 +177,17 @@ def test_a_clear_whose_process_stopped_is_taken_over_and_the_others_wait_meanwhi
     finally:
         r.delete(key)
         r.close()
+
+
+def test_a_key_s_kind_is_its_namespace_s_word_and_a_longer_namespace_owns_its_own():
+    from router.redis_keys import RedisKeys
+
+    keys = RedisKeys("a*b")
+    assert keys.pattern() == "a\\*b:*"
+    assert keys.kind(b"a*b:x:replica-1") == "x"
+    assert keys.kind(b"a*b:{g0.3}:load") == "group"
+    assert keys.kind(b"a*b:layouts") == "layouts"
+    assert keys.kind(b"a*b:canary:x:replica-1") is None  # the namespace "a*b:canary"
+    assert keys.kind(b"a*bc:x:replica-1") is None
+    assert keys.kind(b"a*b") is None
+    assert RedisKeys("a*b:canary").kind(b"a*b:canary:x:replica-1") == "x"

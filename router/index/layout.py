@@ -19,7 +19,7 @@ So each process that uses Redis marks its layout present in the namespace (the h
 * once the other layout's presence has expired (its last router stopped ``PRESENCE_S``
   ago), the one process whose check drops it deletes the namespace's keys (what remains
   was written by the other layout's rules, or during the overlap), all but ``<ns>:layouts``
-  and the operator's drained set, and only keys of the router's kinds (``KINDS``), so a
+  and the operator's drained set, and only keys of the router's kinds (``router.redis_keys.KINDS``), so a
   namespace that begins with this one and a colon is left alone. Meanwhile it marks the
   clear in ``<ns>:layouts`` ("clearing", renewed as it goes), and every process, itself
   included, stays off the namespace until it is done; a clear whose process stopped is
@@ -37,7 +37,7 @@ import time
 
 from router.index.base import IndexUnavailable
 from router.logs import get_logger
-from router.redis_keys import LAYOUT_VERSION, RedisKeys, ScriptCache
+from router.redis_keys import KINDS, LAYOUT_VERSION, RedisKeys, ScriptCache
 
 logger = get_logger(__name__)
 
@@ -70,11 +70,10 @@ class LayoutGuard:
     CHECK_S = 5.0
     CHECK_TIMEOUT_S = 2.0  # bound of one check's script call (the clear is not bounded)
     CLEAR_BATCH = 500  # keys deleted per DEL (per slot on a cluster: redis-py splits them)
-    # The namespace's key kinds (router.redis_keys: the part after "<ns>:"); a clear deletes
-    # only those, so that the keys of a namespace that begins with this one and a colon are
-    # left alone. The drained set is kept: an operator's drains outlast an upgrade.
-    KINDS = ("x", "p", "gone", "roots", "replicas", "load", "leases", "router", "session",
-             "warmup", "feeder", "rate")
+    # The key kinds a clear deletes (router.redis_keys.KINDS, the part after "<ns>:", and
+    # the shard groups' keys): the keys of a namespace that begins with this one and a colon
+    # are left alone. The drained set is kept: an operator's drains outlast an upgrade.
+    CLEARED = tuple(k for k in KINDS if k not in ("drained", "layouts")) + ("group",)
 
     def __init__(self, namespace: str, version: int = LAYOUT_VERSION,
                  presence_s: float = PRESENCE_S, check_s: float = CHECK_S,
@@ -159,16 +158,12 @@ class LayoutGuard:
         metrics.get("index_layout_conflict").set(1 if conflict else 0)
 
     async def _clear(self, client) -> int:
-        """Delete the namespace's keys of every kind (``KINDS``), the drained set and
+        """Delete the namespace's keys of every kind (``CLEARED``), the drained set and
         ``<ns>:layouts`` kept, in batches; renew the clear's mark every ``check_s``. How
         many were deleted."""
-        prefix = f"{self.keys.namespace}:".encode()
-        kinds = {k.encode() for k in self.KINDS}
         n, batch, renewed = 0, [], time.monotonic()
-        async for key in client.scan_iter(match=self.keys.pattern(), count=1000):
-            kind = key[len(prefix):].split(b":", 1)[0]
-            if kind in kinds or kind.startswith(b"{"):  # a shard group's keys: <ns>:{tag}:..
-                batch.append(key)
+        async for key in self.keys.own_keys(client, self.CLEARED):
+            batch.append(key)
             if len(batch) >= self.CLEAR_BATCH:
                 n += await client.delete(*batch)
                 batch = []

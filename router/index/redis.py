@@ -522,10 +522,11 @@ class RedisPrefixIndex(PrefixIndex):
 
     async def flush(self) -> None:
         """Delete every key of this namespace (tests and ``FLUSHDB``-style resets; on a
-        cluster, ``SCAN`` runs on every master)."""
+        cluster, ``SCAN`` runs on every master), and none of a namespace that begins with
+        this one and a colon (``RedisKeys.own_keys``)."""
         async def run(client):
             n = 0
-            async for key in client.scan_iter(match=self.groups.keys[0].pattern(), count=1000):
+            async for key in self.groups.keys[0].own_keys(client):
                 n += await client.delete(key)
             return n
 
