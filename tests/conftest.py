@@ -17,9 +17,17 @@ from pathlib import Path
 
 import httpx
 import pytest
+import ray  # noqa: F401
 import redis
 
 from loadtest.service import free_port  # noqa: F401  (the tests' loopback ports too)
+
+# Ray is imported here, once, before any test: otherwise the first flush of the router's
+# metrics (router.metrics, on a thread of its own) imports it in the middle of a test, and
+# for that import's time (0.3 s on the 2-core VM) any log line of the test's event loop
+# waits in Ray's log handler (its emit imports ray, whose import lock the other thread
+# holds): a test that times a decision against a 0.3 s Redis pause then failed or passed
+# by the order the tests ran in.
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_DIR = ROOT / "models" / "tiny-qwen2"

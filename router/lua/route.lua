@@ -219,25 +219,34 @@ end
 local cost, cached, last, inflight, placed = {}, {}, {}, {}, {}
 local best = nil
 local total = 0
-local fields = {}
-for j = 1, nc do
-  local r = cands[j]
-  fields[5 * j - 4] = r .. ':n'; fields[5 * j - 3] = r .. ':p'; fields[5 * j - 2] = r .. ':t'
-  fields[5 * j - 1] = r .. ':k'; fields[5 * j] = r .. ':kt'
-end
-local v = redis.call('HMGET', load, unpack(fields))  -- every candidate's load in one read
--- a new prefix (no candidate holds its first block): the decaying count of new prefixes
--- placed on each candidate (router/load/base.py decayed_placements)
+-- a new prefix (no candidate holds its first block)
 local new_prefix = nblocks > 0
 for j = 1, nc do
   if matched[j] > 0 then new_prefix = false end
 end
+local fields = {}
+for j = 1, nc do
+  local r = cands[j]
+  fields[3 * j - 2] = r .. ':n'; fields[3 * j - 1] = r .. ':p'; fields[3 * j] = r .. ':t'
+end
+local v = redis.call('HMGET', load, unpack(fields))  -- every candidate's load in one read
+-- for a new prefix only: the decaying count of new prefixes placed on each candidate
+-- (router/load/base.py decayed_placements), read apart so that a prompt some candidate
+-- holds, the common case, reads 3 fields per candidate and not 5
+local kv = {}
+if new_prefix then
+  for j = 1, nc do
+    fields[2 * j - 1] = cands[j] .. ':k'; fields[2 * j] = cands[j] .. ':kt'
+  end
+  kv = redis.call('HMGET', load, unpack(fields, 1, 2 * nc))
+end
 local sum_k = 0
 for j = 1, nc do
-  local k = decayed_placements(v[5 * j - 1], v[5 * j], now, window)
+  local k = 0
+  if new_prefix then k = decayed_placements(kv[2 * j - 1], kv[2 * j], now, window) end
   placed[j] = k
   sum_k = sum_k + k
-  local n = tonumber(v[5 * j - 4] or '0')
+  local n = tonumber(v[3 * j - 2] or '0')
   inflight[j] = math.max(n, 0)  -- as the Python policy: a count below zero counts as zero
   total = total + math.max(n, 0)
 end
@@ -254,8 +263,8 @@ for j = 1, nc do
   end
 end
 for j = 1, nc do
-  local q = tonumber(v[5 * j - 3] or '0')
-  last[j] = tonumber(v[5 * j - 2] or '0')
+  local q = tonumber(v[3 * j - 1] or '0')
+  last[j] = tonumber(v[3 * j] or '0')
   local hit = 0
   if P > 0 then hit = math.min(matched[j], math.floor((P - 1) / bs)) * bs end
   cached[j] = hit
@@ -322,8 +331,8 @@ local chosen = cands[pick]
 local unc = math.max(P - cached[pick], 0)
 -- one write of the three load fields: the counts were read above, after any release of an
 -- earlier reservation of this request, and nothing runs between (a script is atomic)
-redis.call('HSET', load, chosen .. ':n', tonumber(v[5 * pick - 4] or '0') + 1,
-           chosen .. ':p', tonumber(v[5 * pick - 3] or '0') + unc, chosen .. ':t', now)
+redis.call('HSET', load, chosen .. ':n', tonumber(v[3 * pick - 2] or '0') + 1,
+           chosen .. ':p', tonumber(v[3 * pick - 1] or '0') + unc, chosen .. ':t', now)
 if new_prefix then  -- one more new prefix placed there (LoadTracker.placed)
   place(load, chosen, placed[pick], now, 1)
 end
@@ -351,11 +360,16 @@ if first <= nblocks then
     if #args >= 512 then redis.call('HSET', pkey, unpack(args)); args = {} end
   end
   if #args > 0 then redis.call('HSET', pkey, unpack(args)) end
-  redis.call('PEXPIREAT', pkey, expiry, 'GT')
-  if redis.call('PTTL', pkey) == -1 then redis.call('PEXPIREAT', pkey, expiry) end
-  redis.call('SADD', replicas_set, chosen)
+  -- the hash's expiry moves only later; a hash without one (new) gets this one (the PTTL
+  -- is read only when GT did not move it)
+  if redis.call('PEXPIREAT', pkey, expiry, 'GT') == 0 and redis.call('PTTL', pkey) == -1 then
+    redis.call('PEXPIREAT', pkey, expiry)
+  end
   sweep(pkey, now, 2 * (nblocks - first + 1) + 16)
   if first == 1 then  -- the root itself is written: the chosen replica now holds it
+    -- (past the root, the replica held an entry already, so it is in the set: every
+    -- write of an entry adds it, and only a purge of its entries takes it out)
+    redis.call('SADD', replicas_set, chosen)
     add_holder(roots, H[1], chosen)
     sweep_roots(roots, now, 2)
   end
