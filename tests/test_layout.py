@@ -76,7 +76,9 @@ async def test_two_layouts_leave_the_namespace_alone_until_one_is_gone_then_it_i
         assert (await new_index.lookup([1, 2, 3], ["a"]))["a"] == 2
     finally:
         await new_index.flush()  # every key of the namespace, none of the canary's
-        assert sorted(set(admin.scan_iter(match=f"{ns}:*"))) == [f"{ns}:canary:load".encode()]
+        left = set(admin.scan_iter(match=f"{ns}:*")) - {f"{ns}:layouts".encode()}
+        # (the layouts' hash is written again by the guards' checks still running)
+        assert left == {f"{ns}:canary:load".encode()}
         admin.delete(f"{ns}:canary:load")
         await new_index.close()
         await old_index.close()
