@@ -19,8 +19,9 @@ So each process that uses Redis marks its layout present in the namespace (the h
 * once the other layout's presence has expired (its last router stopped ``PRESENCE_S``
   ago), the one process whose check drops it deletes the namespace's keys (what remains
   was written by the other layout's rules, or during the overlap), all but ``<ns>:layouts``
-  and the operator's drained set, and only keys of the router's kinds (``router.redis_keys.KINDS``), so a
-  namespace that begins with this one and a colon is left alone. Meanwhile it marks the
+  and the operator's drained set, and only keys of the router's kinds
+  (``router.redis_keys.KINDS``), so a namespace that begins with this one and a colon is
+  left alone. Meanwhile it marks the
   clear in ``<ns>:layouts`` ("clearing", renewed as it goes), and every process, itself
   included, stays off the namespace until it is done; a clear whose process stopped is
   taken over by the next check once its mark expires. Then all go back to the shared
