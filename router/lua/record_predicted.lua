@@ -31,11 +31,7 @@ if #hs > 0 then
   end
   if #args > 0 then redis.call('HSET', key, unpack(args)) end
 end
--- the hash's expiry moves only later; a hash without one (new) gets this one (the PTTL
--- is read only when GT did not move it)
-if redis.call('PEXPIREAT', key, expiry, 'GT') == 0 and redis.call('PTTL', key) == -1 then
-  redis.call('PEXPIREAT', key, expiry)
-end
+expire_later(key, expiry)  -- sweep.lua
 redis.call('SADD', KEYS[2], ARGV[1])
 sweep(key, now, 64)  -- sweep.lua
 if #hs > 0 then

@@ -360,11 +360,7 @@ if first <= nblocks then
     if #args >= 512 then redis.call('HSET', pkey, unpack(args)); args = {} end
   end
   if #args > 0 then redis.call('HSET', pkey, unpack(args)) end
-  -- the hash's expiry moves only later; a hash without one (new) gets this one (the PTTL
-  -- is read only when GT did not move it)
-  if redis.call('PEXPIREAT', pkey, expiry, 'GT') == 0 and redis.call('PTTL', pkey) == -1 then
-    redis.call('PEXPIREAT', pkey, expiry)
-  end
+  expire_later(pkey, expiry)  -- sweep.lua
   sweep(pkey, now, 2 * (nblocks - first + 1) + 16)
   if first == 1 then  -- the root itself is written: the chosen replica now holds it
     -- (past the root, the replica held an entry already, so it is in the set: every

@@ -1,4 +1,5 @@
--- The amortised sweep of a predicted hash (and of the root holders, roots.lua), shared by
+-- The upkeep of a predicted hash, its expiry and the amortised sweep of its expired entries
+-- (the sweep also serves the root holders, roots.lua), shared by
 -- route.lua, record_predicted.lua and apply_events.lua (router/redis_keys.py load_lua puts
 -- this file where a script says "--! include sweep.lua"). Continue the pass whose cursor
 -- is kept beside the hash (<pkey>:cursor), ``count`` fields, deleting the entries expired
@@ -31,5 +32,14 @@ local function sweep(pkey, now, count, keep)
   redis.call('SET', ckey, res[1], 'PX', 3600000)
   if res[1] == '0' then
     redis.call('SET', skey, string.format('%d', now + SWEEP_PAUSE_MS), 'PX', 3600000)
+  end
+end
+
+-- The predicted hash ``pkey`` expires with its latest entry (``expiry``, ms): its expiry
+-- moves only later, and a hash without one (new) gets this one (its PTTL is read only when
+-- GT did not move it).
+local function expire_later(pkey, expiry)
+  if redis.call('PEXPIREAT', pkey, expiry, 'GT') == 0 and redis.call('PTTL', pkey) == -1 then
+    redis.call('PEXPIREAT', pkey, expiry)
   end
 end
