@@ -273,7 +273,7 @@ async def bench_overhead(url: str, tokens: int, iters: int, unique: bool = False
     from router.config import Settings
     from router.policy import PrefixAware
     from router.prompt.render import CHAT_PATH
-    from router.routing.core import RoutingCore
+    from router.routing.core import RoutingCore, route_request
     from router.routing.replica import ReplicaInfo
     from router.serve.ingress import IngressCore
     ensure_model(MODEL_DIR)
@@ -298,7 +298,7 @@ async def bench_overhead(url: str, tokens: int, iters: int, unique: bool = False
         t0 = time.perf_counter()
         req = await ingress.prepare(CHAT_PATH, body)
         t1 = time.perf_counter()
-        await core.decide(req.request_id, req.prompt_tokens, req.block_hashes, replicas)
+        await route_request(core, req, replicas, core.policy)
         t2 = time.perf_counter()
         await core.load.release(req.request_id)
         prepare_s.append(t1 - t0)
@@ -376,7 +376,7 @@ def _concurrent_worker(url: str, ns: str, tokens: int, share: int, worker: int,
     from router.config import Settings
     from router.policy import PrefixAware
     from router.prompt.render import CHAT_PATH
-    from router.routing.core import RoutingCore
+    from router.routing.core import RoutingCore, route_request
     from router.routing.replica import ReplicaInfo
     from router.serve.ingress import IngressCore
 
@@ -397,7 +397,7 @@ def _concurrent_worker(url: str, ns: str, tokens: int, share: int, worker: int,
     async def one(body: bytes, t_arrival: float) -> tuple[float, float]:
         req = await ingress.prepare(CHAT_PATH, body)
         t1 = time.perf_counter()
-        await core.decide(req.request_id, req.prompt_tokens, req.block_hashes, replicas)
+        await route_request(core, req, replicas, core.policy)
         t2 = time.perf_counter()
         return t2 - t_arrival, t2 - t1
 
@@ -405,7 +405,7 @@ def _concurrent_worker(url: str, ns: str, tokens: int, share: int, worker: int,
         # warm the template, the tokenizer, the script cache and as many Redis connections
         # as a warm router under this load keeps in its pool
         req = await ingress.prepare(CHAT_PATH, bodies[0])
-        await core.decide(req.request_id, req.prompt_tokens, req.block_hashes, replicas)
+        await route_request(core, req, replicas, core.policy)
         await core.load.release(req.request_id)
         await asyncio.gather(*(core.index.lookup(req.block_hashes, ["replica-0"])
                                for _ in bodies))

@@ -420,6 +420,8 @@ class Ingress:
         try:
             raw = await _read_body(request, self.settings)
             req = await self.core.prepare(paths[route], raw, policy_name, tenant)
+            if req.rest is not None:  # explained on every block, held head or not
+                await req.rest.finish(req)
             infos = await self.core.replica_set()
             out = await self.core.routing_core().explain(
                 req.prompt_tokens, req.block_hashes, infos, self.core.policies.get(policy_name),

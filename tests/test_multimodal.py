@@ -17,7 +17,7 @@ from router.index.memory import MemoryPrefixIndex
 from router.load.memory import MemoryLoadTracker
 from router.policy import PrefixAware
 from router.prompt.render import CHAT_PATH
-from router.routing.core import RoutingCore
+from router.routing.core import RoutingCore, route_request
 from router.routing.replica import ReplicaInfo
 from router.serve.ingress import IngressCore
 from tests.conftest import make_text
@@ -42,7 +42,7 @@ def _chat(*parts) -> bytes:
 
 async def _route(ingress, core, body: bytes, replicas):
     req = await ingress.prepare(CHAT_PATH, body)
-    decision = await core.decide(req.request_id, req.prompt_tokens, req.block_hashes, replicas)
+    decision = await route_request(core, req, replicas, core.policy)
     await core.load.release(req.request_id)
     return req, decision
 

@@ -1,20 +1,24 @@
 """A long prompt is tokenized only as far as any replica's match can reach
-(``Settings.route_head_chars``, ``IngressCore.prepare``): a new prompt is routed on its
-head's blocks with its length estimated; one whose head a replica holds is tokenized whole."""
+(``Settings.route_head_chars``, ``IngressCore.prepare``, ``route_request``): a new prompt is
+routed on its head's blocks with its length estimated; one whose head a replica holds is
+tokenized whole and routed on all its blocks."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 
 import pytest
 
 from router.config import Settings
+from router.index.base import IndexUnavailable
 from router.prompt.render import CHAT_PATH, COMPLETIONS_PATH
+from router.routing.core import route_request
 from router.serve import state
 from router.routing.replica import ReplicaInfo
 from router.serve.ingress import IngressCore
-from tests.conftest import make_text
+from tests.conftest import REDIS_URL, make_text
 
 
 @pytest.fixture
@@ -22,6 +26,19 @@ def replicas():
     state.put("replica_infos", (ReplicaInfo("replica-a"), ReplicaInfo("replica-b")))
     yield
     state.put("replica_infos", None)
+
+
+async def routed(ingress: IngressCore, path: str, body: bytes, release: bool = True):
+    """``prepare``, then the routing step of a first attempt (``route_request``, as both
+    data paths run it); the reservation is released unless ``release`` is false. Returns
+    the request as routed."""
+    req = await ingress.prepare(path, body)
+    core = ingress.routing_core()
+    await route_request(core, req, list(state.replica_infos()), ingress.policies.get(None))
+    if release:
+        with contextlib.suppress(IndexUnavailable):
+            await core.load.release(req.request_id)
+    return req
 
 
 def _body(path: str, doc: str, question: str) -> bytes:
@@ -32,46 +49,77 @@ def _body(path: str, doc: str, question: str) -> bytes:
     return json.dumps({"model": "m", "prompt": doc + "\n\n" + question}).encode()
 
 
+@pytest.mark.parametrize("index", ["memory", "redis"])
 @pytest.mark.parametrize("path", [CHAT_PATH, COMPLETIONS_PATH])
 async def test_a_long_prompt_is_tokenized_past_its_head_only_where_a_replica_holds_it(
-        model_dir, replicas, path):
-    settings = Settings(model=str(model_dir), index_namespace=f"head-{uuid.uuid4().hex[:6]}")
+        model_dir, replicas, path, index):
+    """In memory the policy decides in this process (``RoutingCore._decide_here``); with
+    Redis the route script decides on the head (``route.lua``'s ``route_head`` mode) and
+    answers without deciding when a candidate holds the whole head."""
+    settings = Settings(model=str(model_dir), index_namespace=f"head-{uuid.uuid4().hex[:6]}",
+                        redis_url=REDIS_URL if index == "redis" else None)
     lazy = IngressCore(settings, engine_handle=None)
     whole = IngressCore(settings.model_copy(update={"route_head_chars": 0}), engine_handle=None)
     body = _body(path, make_text(20_000, "document"), "What is S0042 about?")
     ref = await whole.prepare(path, body)
+    assert ref.rest is None
 
-    # nothing held anywhere: the head's blocks only, the length estimated
-    req = await lazy.prepare(path, body)
+    # nothing held anywhere: decided on the head's blocks, the length estimated, the rest
+    # never tokenized
+    req = await routed(lazy, path, body)
     n = len(req.block_hashes)
-    assert 0 < n < len(ref.block_hashes) // 2
+    assert 0 < n < len(ref.block_hashes) // 2 and req.rest is None
     assert req.block_hashes == ref.block_hashes[:n]
     assert abs(req.prompt_tokens - ref.prompt_tokens) <= 0.05 * ref.prompt_tokens
+    assert req.predicted_cached_tokens[req.routed_replica] == 0
 
-    # a replica holds the head but its last block: still no match can pass the head
-    index = state.make_index(settings)
-    await index.record_predicted("replica-a", req.block_hashes[:-1], 60.0)
-    assert (await lazy.prepare(path, body)).block_hashes == req.block_hashes
+    # its decision wrote the head's predicted entries where it went: the same prompt again
+    # finds the whole head held there, so it is tokenized whole and decided on every block
+    again = await routed(lazy, path, body)
+    assert again.block_hashes == ref.block_hashes and again.prompt_tokens == ref.prompt_tokens
+    assert again.routed_replica == req.routed_replica
+    assert again.predicted_cached_tokens[again.routed_replica] == n * settings.block_size
 
-    # a replica holds the whole head: the prompt is tokenized whole
-    await index.record_predicted("replica-b", req.block_hashes, 60.0)
-    full = await lazy.prepare(path, body)
-    assert full.block_hashes == ref.block_hashes and full.prompt_tokens == ref.prompt_tokens
+    # a replica holds another prompt's head but its last block: no match can pass the head
+    other_body = _body(path, make_text(20_000, "second"), "?")
+    head = (await lazy.prepare(path, other_body)).block_hashes
+    await state.make_index(settings).record_predicted("replica-a", head[:-1], 60.0)
+    other = await routed(lazy, path, other_body)
+    assert other.block_hashes == head
+    assert other.predicted_cached_tokens["replica-a"] == (len(head) - 1) * settings.block_size
+    if index == "redis":
+        await state.make_index(settings).flush()
 
     # other policies get the whole prompt (they read its length and block count)
-    other = IngressCore(settings.model_copy(update={"policy": "least_loaded"}), None)
-    assert (await other.prepare(path, _body(path, make_text(6000, "other"), "?"))
+    lb = IngressCore(settings.model_copy(update={"policy": "least_loaded"}), None)
+    assert (await lb.prepare(path, _body(path, make_text(6000, "other"), "?"))
             ).block_hashes == (await whole.prepare(path, _body(path, make_text(6000, "other"),
                                                               "?"))).block_hashes
 
 
+def test_a_request_leaves_its_rest_behind_when_serialised(model_dir, replicas):
+    """``RoutedRequest.rest`` holds the tokenizer's state: the Ray handle path serialises
+    the request without it (Serve does so once the router has chosen)."""
+    import asyncio
+    import pickle
+
+    settings = Settings(model=str(model_dir), index_namespace=f"pk-{uuid.uuid4().hex[:6]}")
+    req = asyncio.run(IngressCore(settings, engine_handle=None).prepare(
+        CHAT_PATH, _body(CHAT_PATH, make_text(20_000, "pickled"), "?")))
+    assert req.rest is not None
+    copy = pickle.loads(pickle.dumps(req))
+    assert copy.rest is None and copy.block_hashes == req.block_hashes
+    assert req.rest is not None  # the original keeps it
+
+
 async def test_an_index_that_fails_leaves_the_prompt_at_its_head(model_dir, replicas):
-    """Redis down: the head lookup fails fast and routing falls back to load, so the rest
-    is not tokenized for nothing."""
+    """Redis down: the decision fails fast and falls back to load, so the rest is not
+    tokenized for nothing."""
     settings = Settings(model=str(model_dir), redis_url="redis://127.0.0.1:1/0",
                         redis_timeout_s=0.05)
     lazy = IngressCore(settings, engine_handle=None)
-    req = await lazy.prepare(CHAT_PATH, _body(CHAT_PATH, make_text(20_000, "x"), "?"))
+    req = await routed(lazy, CHAT_PATH, _body(CHAT_PATH, make_text(20_000, "x"), "?"))
+    assert req.routing_reason == "fallback"
     assert 0 < len(req.block_hashes) < 20_000 // settings.block_size // 2
     assert req.prompt_tokens > 19_000
 
@@ -79,9 +127,9 @@ async def test_an_index_that_fails_leaves_the_prompt_at_its_head(model_dir, repl
 async def test_a_burst_is_rendered_in_arrival_order_with_the_index_answers_in_between(
         model_dir, replicas):
     """``IngressCore._cpu_turn`` (no render threads, ``render_threads=0``): 8 long prompts
-    arrive at once. The first is dispatched (its head lookup answered by Redis) before the
+    arrive at once. The first is decided (its route script answered by Redis) before the
     fifth is rendered: the renders take turns with the loop's I/O instead of all running
-    before any lookup is answered."""
+    before any decision is answered."""
     import asyncio
 
     from tests.conftest import REDIS_URL
@@ -89,7 +137,7 @@ async def test_a_burst_is_rendered_in_arrival_order_with_the_index_answers_in_be
                         index_namespace=f"turn-{uuid.uuid4().hex[:6]}", render_threads=0)
     ingress = IngressCore(settings, engine_handle=None)
     bodies = [_body(CHAT_PATH, make_text(6000, f"burst-{i}"), "?") for i in range(9)]
-    await ingress.prepare(CHAT_PATH, bodies[8])  # warm: template, Redis connection
+    await routed(ingress, CHAT_PATH, bodies[8])  # warm: template, Redis connection
     events = []
     render = ingress._prepare
 
@@ -99,8 +147,9 @@ async def test_a_burst_is_rendered_in_arrival_order_with_the_index_answers_in_be
     ingress._prepare = logged
 
     async def one(i):
-        await ingress.prepare(CHAT_PATH, bodies[i])
+        req = await routed(ingress, CHAT_PATH, bodies[i], release=False)
         events.append(("done", i))
+        await ingress.routing_core().load.release(req.request_id)
     await asyncio.gather(*(one(i) for i in range(8)))
     assert [i for e, i in events if e == "render"] == list(range(8))
     assert events.index(("done", 0)) < events.index(("render", 4)), events
@@ -182,8 +231,9 @@ async def test_text_the_tokenizer_refuses_past_a_held_head_is_routed_by_load(
     clean = await ingress.prepare(COMPLETIONS_PATH, _body(COMPLETIONS_PATH, doc, "?"))
     await state.make_index(settings).record_predicted("replica-a", clean.block_hashes, 60.0)
     raw = ('{"model": "m", "prompt": "%s\\ud800 %s"}' % (doc[:30_000], doc[30_000:])).encode()
-    req = await ingress.prepare(COMPLETIONS_PATH, raw)
+    req = await routed(ingress, COMPLETIONS_PATH, raw)
     assert req.block_hashes == [] and req.prompt_tokens > 0
+    assert req.routing_reason == "load"
 
 
 def test_the_rests_length_is_estimated_per_byte(model_dir):

@@ -259,6 +259,36 @@ async def test_route_reserves_once_and_writes_predicted_entries(redis_pair):
     assert all(v.inflight == 0 and v.prefill_tokens == 0 for v in loads.values())
 
 
+async def test_a_heads_route_answers_without_deciding_when_a_candidate_holds_all_of_it(
+        redis_pair):
+    """``route_head`` mode (``AtomicRoute.route(head=True)``): where a candidate holds every
+    block of a long prompt's head, the script reserves, counts and writes nothing and
+    raises ``HeadHeld`` with the matches; where none does (one block short), it decides as
+    ``route`` does, predicted entries and reservation included."""
+    from router.index.base import HeadHeld
+    index, load, clock = redis_pair
+    p, route = PrefixAware(), AtomicRoute(index, load)
+    head = [11, 12, 13, 14]
+    await index.record_predicted("a", head, 60.0)
+    await index.record_predicted("b", head[:3], 60.0)
+    before = await _accounting(load)
+    with pytest.raises(HeadHeld) as held:
+        await route.route("h1", 4 * BS, head, ["a", "b"], [15.0, 15.0], head=True,
+                          **route_kwargs(p, 0.0))
+    assert held.value.matched == {"a": 4, "b": 3}
+    assert await _accounting(load) == before  # no lease, no count
+    assert (await index.lookup(head, ["b"]))["b"] == 3  # nothing written for b
+    # one block short everywhere: decided on the head, as a plain route
+    other = [21, 22, 23]
+    await index.record_predicted("b", other[:2], 60.0)
+    chosen, matched = await route.route("h2", 3 * BS, other, ["a", "b"], [15.0, 15.0],
+                                        head=True, **route_kwargs(p, 0.0))
+    assert (chosen, matched) == ("b", {"a": 0, "b": 2})
+    assert (await index.lookup(other, ["b"]))["b"] == 3  # its predicted entries
+    assert sum(v.inflight for v in (await load.loads(["a", "b"])).values()) == 1
+    await load.release("h2")
+
+
 async def test_predicted_entries_are_written_past_the_exact_run_and_expired_ones_swept(
         redis_pair):
     """The route writes predicted entries only for blocks the chosen replica does not hold
@@ -539,6 +569,39 @@ async def test_a_route_script_that_answers_late_has_its_prediction_moved_to_the_
     assert admin.hgetall(f"{ns}:leases") == {}
     assert all(int(v) == 0 for k, v in admin.hgetall(f"{ns}:load").items()
                if k.endswith((b":n", b":p")))
+    await load.close()
+    await conn.close()
+
+
+async def test_a_late_heads_route_script_that_found_the_head_held_settles_as_held(
+        own_redis, monkeypatch):
+    """A long prompt's head decided while Redis pauses its writes: the fallback decides on
+    the head (the index is not read), and the script, once it runs, finds the whole head
+    held on ``a`` and does nothing; its settlement (``AtomicRoute.settle``) is ``held``,
+    with nothing to undo."""
+    import redis as sync_redis
+    from router.routing import core as core_module
+
+    ns = "t"
+    settings, conn, index, load, core = _late_setup(own_redis, ns)
+    admin = sync_redis.Redis.from_url(own_redis.url)
+    hashes = list(range(7000, 7010))
+    await index.record_predicted("a", hashes, 60.0)
+    outcomes, settle = [], core.atomic.settle
+
+    async def recorded(*args, **kwargs):
+        outcomes.append(await settle(*args, **kwargs))
+        return outcomes[-1]
+    monkeypatch.setattr(core.atomic, "settle", recorded)
+    admin.execute_command("CLIENT", "PAUSE", 300, "WRITE")
+    d = await core.decide("q1", len(hashes) * 32, hashes,
+                          [ReplicaInfo("a", {}, {}), ReplicaInfo("b", {}, {})], head=True)
+    assert d.reason == "fallback"
+    await _settled(core_module)
+    assert outcomes == ["held"]
+    assert admin.hget(f"{ns}:load", "a:t") is None and admin.hget(f"{ns}:load", "b:t") is None
+    await load.release("q1")
+    assert admin.hgetall(f"{ns}:leases") == {}
     await load.close()
     await conn.close()
 

@@ -50,6 +50,22 @@ class IndexUnavailable(RuntimeError):
     """
 
 
+class HeadHeld(Exception):
+    """A decision on a long prompt's head (``router.routing.core.RouteInput.head``: the
+    blocks of its first ``Settings.route_head_chars`` characters or so, the rest not yet
+    tokenized) found a candidate that holds every one of those blocks, so that candidate's
+    match may go on past the head: nothing was decided, reserved or written; the caller
+    tokenizes the rest and decides again on the whole prompt's blocks.
+
+    Attributes:
+        matched: per candidate looked up, its matched blocks of the head.
+    """
+
+    def __init__(self, matched: dict[str, int]):
+        super().__init__("a candidate holds the whole head")
+        self.matched = matched
+
+
 @dataclass
 class IndexStats:
     """Size of the index: ``blocks`` distinct block keys, ``entries`` (block, replica) pairs

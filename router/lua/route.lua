@@ -18,9 +18,9 @@
 --   decaying count as of :kt ms), [2n+3] lease hash (request id ->
 --   "replica|prefill|done|router|attempt"), [2n+4] this router's heartbeat key
 --   last (both modes): the root holders hash (roots.lua)
--- ARGV: 1 mode ("lookup" | "route"), 2 now_ms, 3 n, 4 the request's block hashes in prompt
---   order as one string of 8 bytes each (big-endian); lookup mode only: 5.. the n candidate
---   ids; route mode only: 5 request_id, 6 lease owner
+-- ARGV: 1 mode ("lookup" | "route" | "route_head"), 2 now_ms, 3 n, 4 the request's block
+--   hashes in prompt order as one string of 8 bytes each (big-endian); lookup mode only:
+--   5.. the n candidate ids; route mode only: 5 request_id, 6 lease owner
 --   ("router_id|attempt", the lease's tail: a release names the attempt it ends),
 --   7 prompt_tokens, 8 block_size, 9 prefill_rate (tokens/s), 10 work_weight,
 --   11 decode_step_s_per_seq, 12 step_token_budget, 13 tie_abs_s, 14 tie_rel,
@@ -33,6 +33,11 @@
 --   placement_window_s), then per candidate its predicted TTL (ms), then per candidate
 --   its engine's free KV tokens (Candidate.kv_free_tokens; -1: unknown), then the n
 --   candidate ids
+--   ("route_head" is "route" for the blocks of a long prompt's head, whose rest the router
+--   has not tokenized: when a candidate holds every one of them, its match may go on past
+--   the head, and the script returns {-1, matched blocks per candidate...} having decided,
+--   reserved and written nothing, so that the router tokenizes the rest and routes again
+--   on the whole prompt; otherwise it routes as "route" does)
 -- Returns: {chosen index (1-based, 0 in lookup mode), matched blocks per candidate...}, and
 --   in route mode one more value: the candidates' requests in flight after the reservation
 --   (the first level of the shard groups' choice reads it: router/routing/groups.py)
@@ -150,14 +155,14 @@ for j = 1, nc do
   if holder[j] then
     walks = walks - 1
     last_walk = walks == 0
-    local half = mode == 'route' and now + tonumber(ARGV[F + j]) / 2 or now
+    local half = mode ~= 'lookup' and now + tonumber(ARGV[F + j]) / 2 or now
     matched[j], fresh_run[j] = held_prefix(KEYS[2 * j - 1], KEYS[2 * j], half)
     if matched[j] == 0 then stale = true end
   else
     matched[j], fresh_run[j] = 0, 0
   end
 end
-if stale and mode == 'route' then
+if stale and mode ~= 'lookup' then
   -- dropped only once gone for ROOTS_SLACK_MS (roots.lua): another router whose clock is
   -- behind this one's may still see the root's predicted entry live
   local keep, base = holders, string.sub(roots, 1, -7)
@@ -173,8 +178,14 @@ if stale and mode == 'route' then
     redis.call('HSET', roots, H[1], keep)
   end
 end
-if mode == 'lookup' then
-  local out = {0}
+local whole_head = false
+if mode == 'route_head' and nblocks > 0 then
+  for j = 1, nc do
+    if matched[j] >= nblocks then whole_head = true end
+  end
+end
+if mode == 'lookup' or whole_head then
+  local out = {whole_head and -1 or 0}
   for j = 1, nc do out[#out + 1] = matched[j] end
   return out
 end

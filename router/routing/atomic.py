@@ -18,6 +18,7 @@ import asyncio
 import math
 from typing import Iterable, Sequence
 
+from router.index.base import HeadHeld
 from router.index.redis import LateCall, RedisPrefixIndex
 from router.load.redis import RedisLoadTracker
 from router.policy.base import Policy, cached_tokens
@@ -66,7 +67,7 @@ class AtomicRoute:
                     expected_output_tokens: float = 0.0,
                     placement_window_s: float = 0.0, kv_pressure: float = 0.0,
                     kv_free_tokens: Sequence[float | None] | None = None,
-                    ) -> tuple[str, dict[str, int]]:
+                    head: bool = False) -> tuple[str, dict[str, int]]:
         """Choose among ``replicas`` (non-empty) and reserve the choice's load.
 
         Args:
@@ -84,10 +85,14 @@ class AtomicRoute:
                 engine's free KV (tokens, ``Candidate.kv_free_tokens``; None: unknown,
                 no KV term). Default: all unknown.
             u: uniform in [0, 1), the final tie-break (the policy's rng draws it).
+            head: ``block_hashes`` are a long prompt's head (``RouteInput.head``): the
+                script's ``route_head`` mode.
         Returns:
             (chosen replica, matched blocks per replica). With shard groups, the matched
             blocks of the replicas outside the chosen group are 0 (not looked up).
         Raises:
+            HeadHeld: with ``head``, a candidate holds every block given; the script
+                decided, reserved and wrote nothing.
             LateRoute: no answer within the routing bound; the script may still run
                 (``settle``).
             IndexUnavailable: Redis failed; nothing was reserved in Redis.
@@ -112,9 +117,10 @@ class AtomicRoute:
         redis_keys = [k for r in replicas for k in keys.replica_entries(r)] + [
             keys.replicas, lkeys.load, lkeys.leases, load.heartbeat_key_of(group), keys.roots]
         owner = load.lease_owner(request_id)
-        args = ["route", int(load.clock.now() * 1000), len(replicas), pack_hashes(block_hashes),
-                request_id, owner, prompt_tokens, block_size, prefill_rate,
-                work_weight, decode_step_s_per_seq, step_token_budget, tie_abs_s, tie_rel,
+        args = ["route_head" if head else "route", int(load.clock.now() * 1000),
+                len(replicas), pack_hashes(block_hashes), request_id, owner, prompt_tokens,
+                block_size, prefill_rate, work_weight, decode_step_s_per_seq,
+                step_token_budget, tie_abs_s, tie_rel,
                 min(load_factor, 1e9), u, int(load.heartbeat_ttl_s * 1000),
                 int(max_inflight or 0), running_weight, interference, expected_output_tokens,
                 placement_window_s * 1000, kv_pressure, *(int(t * 1000) for t in ttls_s),
@@ -129,8 +135,10 @@ class AtomicRoute:
         except LateCall as exc:
             raise LateRoute(str(exc), exc.reply, request_id, owner, list(replicas),
                             block_hashes, group) from None
-        chosen = replicas[int(res[0]) - 1]
         matched = {r: int(n) for r, n in zip(replicas, res[1:len(replicas) + 1])}
+        if int(res[0]) < 1:  # route_head: the whole head is held; nothing was done
+            raise HeadHeld(matched)
+        chosen = replicas[int(res[0]) - 1]
         cached = cached_tokens(matched[chosen], prompt_tokens, block_size)
         load.adopt(request_id, chosen, max(prompt_tokens - cached, 0))
         if placed_new_prefix(block_hashes, matched.values()):
@@ -170,7 +178,9 @@ class AtomicRoute:
         engine's KV events bring that replica's exact entries back).
 
         Returns:
-            ``same`` (it chose ``routed``), ``moved`` (another replica: corrected),
+            ``same`` (it chose ``routed``), ``held`` (a head's script found a candidate
+            holding the whole head: it decided and wrote nothing), ``moved`` (another
+            replica: corrected),
             ``lost`` (it failed, or no answer within the bound: nothing is known),
             ``dropped`` (it was cut at the deadline, ``MAX_LATE_CALLS`` being left running:
             whether it ran is not known, and nothing is undone; a Redis that answers
@@ -185,6 +195,8 @@ class AtomicRoute:
         if late.reply.cancelled() or late.reply.exception() is not None:
             return "lost"
         res = late.reply.result()
+        if int(res[0]) < 1:
+            return "held"
         pick = int(res[0]) - 1
         chosen, matched = late.replicas[pick], int(res[1 + pick])
         moved = chosen != routed

@@ -21,7 +21,7 @@ from typing import Sequence
 
 from router.config import Settings
 from router.hashing import HashSettings
-from router.index.base import IndexUnavailable, PrefixIndex
+from router.index.base import HeadHeld, IndexUnavailable, PrefixIndex
 from router.load.base import LoadTracker, ReplicaLoad
 from router.logs import get_logger
 from router.policy import (
@@ -52,6 +52,11 @@ class RouteInput:
         text / first_user_text: the prompt's characters, for the policies that read them
             (``Policy.uses_text``; only the simulator supplies them).
         session: its session's key (``router.routing.sessions.session_key``), or None.
+        head: ``block_hashes`` are those of a long prompt's head, its rest not tokenized
+            (``router.serve.protocol.RoutedRequest.rest``; ``prompt_tokens`` is then an
+            estimate). A match cannot pass the head unless a candidate holds every block
+            of it: then the decision raises ``HeadHeld`` before it reserves or writes
+            anything; otherwise the decision on the head's blocks is the decision on all.
     """
 
     request_id: str
@@ -61,6 +66,7 @@ class RouteInput:
     text: str = ""
     first_user_text: str = ""
     session: str | None = None
+    head: bool = False
 
 
 class RoutingCore:
@@ -148,7 +154,8 @@ class RoutingCore:
                      replicas: Sequence[ReplicaInfo], cacheable: bool = True,
                      policy: Policy | None = None,
                      text: str = "", first_user_text: str = "",
-                     session: str | None = None, adapter: str | None = None) -> Decision:
+                     session: str | None = None, adapter: str | None = None,
+                     head: bool = False) -> Decision:
         """Choose a replica among ``replicas`` (non-empty) and reserve its load.
 
         Replicas known dead are left out, and so are those that hash blocks differently
@@ -177,6 +184,7 @@ class RoutingCore:
             text / first_user_text: the prompt's characters, for the anchors' policies.
             session: the request's session key, or None.
             adapter: the LoRA adapter's name, or None (the base model).
+            head: ``block_hashes`` are a long prompt's head (``RouteInput.head``).
         A sampled cache-aware decision that its policy made (not a pin, not a fallback) is
         also evaluated by the shadow policies (``router.routing.shadow``); its
         ``Decision.shadow`` holds their choices.
@@ -184,9 +192,13 @@ class RoutingCore:
         Returns:
             The policy's ``Decision``; ``reason`` is ``fallback`` when the index failed,
             ``session`` when the session's pin decided.
+        Raises:
+            HeadHeld: with ``head``, a candidate (the session's replica, for a kept pin)
+                holds every block given, as the index answered; nothing was reserved or
+                written.
         """
         inp = RouteInput(request_id, prompt_tokens, block_hashes, cacheable, text,
-                         first_user_text, session)
+                         first_user_text, session, head)
         late: list = []  # the LateRoute of a route script that missed the deadline
         decision = None
         # decided before (a retry, Serve asking again): its earlier new-prefix count goes
@@ -336,6 +348,9 @@ class RoutingCore:
             except IndexUnavailable as exc:
                 self._index_error(exc, "lookup")
                 matched = self.recent.lookup(inp.block_hashes, [replica])[replica]
+            else:
+                if inp.head and matched >= len(inp.block_hashes):
+                    raise HeadHeld({replica: matched})
         bs = self.hash_settings.block_size
         predicted = {replica: cached_tokens(matched, inp.prompt_tokens, bs)}
         await self.load.reserve(inp.request_id, replica,
@@ -397,6 +412,9 @@ class RoutingCore:
             except IndexUnavailable as exc:
                 index_failed = True
                 self._index_error(exc, "lookup")
+            else:
+                if inp.head and max(matched.values(), default=0) >= len(inp.block_hashes):
+                    raise HeadHeld(matched)
         if use_index and index_failed:
             matched = self.recent.lookup(inp.block_hashes, ids)
         loads = await self.load.loads(ids)
@@ -576,7 +594,7 @@ class RoutingCore:
             placement_window_s=self.load.mean_request_life_s(),
             kv_pressure=policy.kv_pressure,
             kv_free_tokens=[kv_free_tokens(r.stats.kv_capacity_tokens, r.stats.kv_usage_frac)
-                            for r in pool])
+                            for r in pool], head=inp.head)
         self.index_available = True
         if before is not None:
             observed.append((self._route_request(inp, pool),
@@ -695,7 +713,12 @@ async def route_request(core: RoutingCore, req, replicas: Sequence[ReplicaInfo],
     Ray ``RequestRouter`` on Serve's handle path, the ingress itself on the direct path).
 
     Replicas a failed first attempt used (``req.excluded_replicas``) are left out unless
-    no other remains. Sets ``req.routed_replica``, ``predicted_cached_tokens``,
+    no other remains. A long prompt hashed as far as its head (``req.rest``) is decided on
+    the head's blocks (``RouteInput.head``), in the same Redis script as any decision; only
+    when a candidate holds the whole head (``HeadHeld``) is the rest tokenized
+    (``req.rest.finish``) and the request decided again on all its blocks. Either way
+    ``req.rest`` is then done (``done``) and cleared, and ``router_long_prompts_total``
+    counts how it was tokenized. Sets ``req.routed_replica``, ``predicted_cached_tokens``,
     ``routing_reason`` and, on a first attempt, ``routing_s`` (arrival at the ingress to
     this decision, s). A reservation made for a request whose ingress is already done with
     it (``req.closed``: the client left meanwhile) is released at once.
@@ -713,13 +736,28 @@ async def route_request(core: RoutingCore, req, replicas: Sequence[ReplicaInfo],
     metrics.get("replicas_without_kv_events").set(  # engines listed without events: by design
         sum(1 for r in pool if r.stats.kv_events_live is False and r.metadata.kv_events_endpoint))
     t0 = time.perf_counter()
+    rest, req.rest = req.rest, None
     try:
-        decision = await core.decide(req.request_id, req.prompt_tokens, req.block_hashes,
-                                     pool, cacheable=bool(req.block_hashes), policy=policy,
-                                     session=req.session_key, adapter=req.lora_name)
+        try:
+            decision = await core.decide(
+                req.request_id, req.prompt_tokens, req.block_hashes, pool,
+                cacheable=bool(req.block_hashes), policy=policy, session=req.session_key,
+                adapter=req.lora_name, head=rest is not None)
+        except HeadHeld:  # a replica may match past the head: the whole prompt decides
+            await rest.finish(req)
+            decision = await core.decide(
+                req.request_id, req.prompt_tokens, req.block_hashes, pool,
+                cacheable=bool(req.block_hashes), policy=policy, session=req.session_key,
+                adapter=req.lora_name)
+            metrics.inc("long_prompts", tags={"tokenized": "whole"})
+        else:
+            if rest is not None:
+                metrics.inc("long_prompts", tags={"tokenized": "head"})
     except BaseException:  # cancelled mid-decision: a reservation may exist; drop it
         release_soon(core.load, req.request_id)
         raise
+    if rest is not None:
+        rest.done(req)
     if req.closed:  # the ingress is done with it already (client gone)
         await asyncio.shield(release_soon(core.load, req.request_id))
     admission = _admission()

@@ -107,6 +107,23 @@ def render_threads(settings: Settings) -> int:
     return min(_RENDER_THREADS_AUTO_MAX, cores // 2)
 
 
+class _Rest:
+    """The rest of a long prompt that ``IngressCore.prepare`` hashed as far as its head
+    (``router.serve.protocol.PromptRest``, carried by ``RoutedRequest.rest``)."""
+
+    def __init__(self, ingress: "IngressCore", info: PromptInfo):
+        self.ingress, self.info = ingress, info
+
+    async def finish(self, req: RoutedRequest) -> None:
+        """Encode the rest and hash the whole prompt, on asyncio's threads (not ahead of
+        other requests' renders)."""
+        await asyncio.to_thread(self.ingress._finish, req, self.info)
+
+    def done(self, req: RoutedRequest) -> None:
+        """Record the prompt as routed (head or whole) for the warm-up."""
+        self.ingress._observe(req, self.info)
+
+
 class IngressCore:
     """The request path of the ingress, independent of FastAPI wiring (tested directly).
 
@@ -271,11 +288,14 @@ class IngressCore:
         Under ``prefix_aware``, a prompt longer than ``Settings.route_head_chars`` is first
         encoded up to about that many characters. Its blocks past the head can match a
         replica only if that replica holds every block of the head (a match is a prefix), so
-        the rest is encoded only then: one index lookup of the head decides. Otherwise the
-        request is routed on the head's hashes (the same decision) with the prompt's length
-        estimated from the head's tokens per UTF-8 byte, and predicted entries are written
-        for the head only (a burst sharing the new prefix still finds them and lands
-        together; the engine's events then bring every block).
+        the rest is encoded only then. The request leaves with the head's hashes, its
+        length estimated from the head's tokens per UTF-8 byte, and its rest
+        (``RoutedRequest.rest``): the routing step decides on the head's hashes, in the
+        same Redis script as the decision, and encodes the rest only when a replica holds
+        the whole head (``router.routing.core.route_request``). Otherwise the decision on
+        the head is the decision on every block, and predicted entries are written for the
+        head only (a burst sharing the new prefix still finds them and lands together; the
+        engine's events then bring every block).
 
         With a ``tenant`` (API keys on) and ``tenant_cache_isolation``, the body forwarded
         carries the tenant's ``cache_salt`` (``router.serve.auth.tenant_cache_salt``) and
@@ -303,15 +323,22 @@ class IngressCore:
         else:
             async with self._cpu_turn():
                 req, info = self._prepare(path, raw, head, tenant, priority, session)
+        if info.rest is not None and req.block_hashes:
+            req.rest = _Rest(self, info)  # the routing step decides whether to encode it
+            return req
         if info.rest is not None:
-            held = await self._head_held(req.block_hashes)
-            if held:  # the whole prompt: on asyncio's threads, not ahead of other renders
-                await asyncio.to_thread(self._finish, req, info)
-            metrics.inc("long_prompts", tags={"tokenized": "whole" if held else "head"})
+            # the head holds no full block to look up (it opens with a long text without
+            # spaces): the whole prompt, on asyncio's threads, not ahead of other renders
+            await asyncio.to_thread(self._finish, req, info)
+            metrics.inc("long_prompts", tags={"tokenized": "whole"})
+        self._observe(req, info)
+        return req
+
+    def _observe(self, req: RoutedRequest, info: PromptInfo) -> None:
+        """Record the prompt for the warm-up of new replicas (``Settings.warmup``)."""
         if self.warmup is not None:
             self.warmup.observe(req.block_hashes, info.token_ids, info.cache_salt,
                                 req.lora_name)
-        return req
 
     async def _off_loop(self, fn, *args):
         """``fn(*args)`` on a render thread (``Settings.render_threads``: a pool that takes
@@ -339,19 +366,6 @@ class IngressCore:
             yield
         finally:
             asyncio.get_running_loop().call_soon(self._turn.release)
-
-    async def _head_held(self, head_hashes: list[int]) -> bool:
-        """Whether some replica holds every block of a prompt's head (exact or predicted
-        entries), so that its match may go on past the head. True when the replicas are not
-        known yet; False when the index fails (routing then falls back to load anyway)."""
-        replicas = state.replica_ids()
-        if not replicas or not head_hashes:
-            return True
-        try:
-            matched = await self.prefix_index().lookup(head_hashes, sorted(replicas))
-        except IndexUnavailable:
-            return False
-        return max(matched.values(), default=0) >= len(head_hashes)
 
     def check_policy(self, policy: str | None) -> None:
         """Refuse an ``x-routing-policy`` header this service does not honour: an unknown

@@ -11,7 +11,20 @@ sends it (Serve serialises the arguments only after ``choose_replicas`` returns,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+
+class PromptRest(Protocol):
+    """The untokenized rest of a long prompt whose head alone the ingress hashed
+    (``RoutedRequest.rest``; ``router.serve.ingress``)."""
+
+    async def finish(self, req: "RoutedRequest") -> None:
+        """Tokenize the rest (off the event loop) and set ``req.prompt_tokens`` and
+        ``req.block_hashes`` to the whole prompt's."""
+
+    def done(self, req: "RoutedRequest") -> None:
+        """The decision stands on ``req.block_hashes`` (the head's, or the whole prompt's
+        after ``finish``)."""
 
 
 @dataclass
@@ -44,8 +57,9 @@ class RoutedRequest:
             router's own overhead (``server-timing`` header, ``router_routing_overhead``).
         timings: the parts of ``routing_s`` (s), by name: ``body`` (reading the request
             body), ``prepare`` (validation, render, tokenization and hashing, with any wait
-            for a render thread and the head's index lookup) and ``decide`` (the routing
-            decision: the index and the load, one Redis script with Redis); the rest of
+            for a render thread) and ``decide`` (the routing decision: the index and the
+            load, one Redis script with Redis; for a long prompt whose head a replica
+            holds, also the rest's tokenization and a second decision); the rest of
             ``routing_s`` is admission and the rate limits. Each part is set as it ends,
             on the first attempt only; all three travel in the ``server-timing`` header.
         max_output_tokens: the most the request may generate (``max_completion_tokens``
@@ -55,6 +69,10 @@ class RoutedRequest:
         trace_headers: while tracing is on, the headers that carry the attempt's trace
             context (``traceparent``...), which the replica sends its engine with the body;
             None otherwise (``router.tracing``).
+        rest: for a long prompt hashed as far as its head (``block_hashes`` are the head's,
+            ``prompt_tokens`` an estimate), the rest to tokenize if a replica holds the
+            whole head; the routing step (``router.routing.core.route_request``) decides
+            that and clears it. It stays in this process: never serialised.
     """
 
     request_id: str
@@ -76,6 +94,12 @@ class RoutedRequest:
     routing_s: float | None = None
     timings: dict[str, float] = field(default_factory=dict)
     trace_headers: dict[str, str] | None = None
+    rest: PromptRest | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["rest"] = None  # the tokenizer's state stays in the ingress process
+        return state
 
 
 # The parts of the router's own time that the server-timing header names, in this order
