@@ -735,20 +735,19 @@ async def route_request(core: RoutingCore, req, replicas: Sequence[ReplicaInfo],
     pool = [r for r in replicas if r.replica_id not in req.excluded_replicas] or list(replicas)
     metrics.get("replicas_without_kv_events").set(  # engines listed without events: by design
         sum(1 for r in pool if r.stats.kv_events_live is False and r.metadata.kv_events_endpoint))
+    def decide(head: bool):
+        return core.decide(req.request_id, req.prompt_tokens, req.block_hashes, pool,
+                           cacheable=bool(req.block_hashes), policy=policy,
+                           session=req.session_key, adapter=req.lora_name, head=head)
+
     t0 = time.perf_counter()
     rest, req.rest = req.rest, None
     try:
         try:
-            decision = await core.decide(
-                req.request_id, req.prompt_tokens, req.block_hashes, pool,
-                cacheable=bool(req.block_hashes), policy=policy, session=req.session_key,
-                adapter=req.lora_name, head=rest is not None)
+            decision = await decide(head=rest is not None)
         except HeadHeld:  # a replica may match past the head: the whole prompt decides
             await rest.finish(req)
-            decision = await core.decide(
-                req.request_id, req.prompt_tokens, req.block_hashes, pool,
-                cacheable=bool(req.block_hashes), policy=policy, session=req.session_key,
-                adapter=req.lora_name)
+            decision = await decide(head=False)
             metrics.inc("long_prompts", tags={"tokenized": "whole"})
         else:
             if rest is not None:
