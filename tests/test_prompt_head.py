@@ -97,6 +97,31 @@ async def test_a_long_prompt_is_tokenized_past_its_head_only_where_a_replica_hol
                                                               "?"))).block_hashes
 
 
+async def test_the_warm_up_records_a_long_prompt_on_the_ingress_loop(model_dir, replicas):
+    """On the handle data path the routing step runs on Serve's router loop, a thread of its
+    own: the warm-up's record of a long prompt (``_Rest.done``; the record has no lock) is
+    still written on the ingress's loop, as every other use of it is."""
+    import asyncio
+    import threading
+
+    settings = Settings(model=str(model_dir), index_namespace=f"wu-{uuid.uuid4().hex[:6]}",
+                        warmup_enabled=True)
+    ingress = IngressCore(settings, engine_handle=None)
+    seen = []
+    ingress.warmup.observe = lambda *args: seen.append(threading.current_thread().name)
+    req = await ingress.prepare(CHAT_PATH, _body(CHAT_PATH, make_text(20_000, "wu"), "?"))
+    assert req.rest is not None
+    core, policy = ingress.routing_core(), ingress.policies.get(None)
+    router = threading.Thread(target=lambda: asyncio.run(route_request(
+        core, req, list(state.replica_infos()), policy)), name="serve-router")
+    router.start()
+    while router.is_alive():
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)
+    assert seen == [threading.current_thread().name]
+    await core.load.release(req.request_id)
+
+
 def test_a_request_leaves_its_rest_behind_when_serialised(model_dir, replicas):
     """``RoutedRequest.rest`` holds the tokenizer's state: the Ray handle path serialises
     the request without it (Serve does so once the router has chosen)."""
@@ -128,8 +153,8 @@ async def test_a_burst_is_rendered_in_arrival_order_with_the_index_answers_in_be
         model_dir, replicas):
     """``IngressCore._cpu_turn`` (no render threads, ``render_threads=0``): 8 long prompts
     arrive at once. The first is decided (its route script answered by Redis) before the
-    fifth is rendered: the renders take turns with the loop's I/O instead of all running
-    before any decision is answered."""
+    last is rendered: the renders take turns with the loop's I/O instead of all running
+    before any decision is answered (all eight would run in the loop's first iteration)."""
     import asyncio
 
     from tests.conftest import REDIS_URL
@@ -152,7 +177,7 @@ async def test_a_burst_is_rendered_in_arrival_order_with_the_index_answers_in_be
         await ingress.routing_core().load.release(req.request_id)
     await asyncio.gather(*(one(i) for i in range(8)))
     assert [i for e, i in events if e == "render"] == list(range(8))
-    assert events.index(("done", 0)) < events.index(("render", 4)), events
+    assert events.index(("done", 0)) < events.index(("render", 7)), events
 
 
 async def test_long_bodies_are_rendered_on_the_render_threads_in_arrival_order(

@@ -179,6 +179,33 @@ async def test_a_request_moved_to_another_group_keeps_one_lease(grouped):
     assert all(v.inflight == 0 and v.prefill_tokens == 0 for v in loads.values())
 
 
+async def test_a_held_heads_script_leaves_no_lease_group_behind(grouped, monkeypatch):
+    """A long prompt's head found held in one group (``route_head``: no lease written) and
+    the whole prompt then decided in another: no release is sent to the first group, where
+    no lease is, on the decision's path."""
+    from router.index.base import HeadHeld
+    index, load, clock = grouped
+    a, b = fleet(index.groups, 1)[:2]
+    atomic = AtomicRoute(index, load)
+    head = list(range(500, 510))
+    await index.record_predicted(a, head, 60.0)
+    with pytest.raises(HeadHeld):
+        await atomic.route("q", 320, head, [a], [15.0], head=True,
+                           **route_kwargs(PrefixAware(), 0.3))
+    released, release = [], load._release
+
+    async def spied(*args):
+        released.append(args)
+        return await release(*args)
+    monkeypatch.setattr(load, "_release", spied)
+    chosen, _ = await atomic.route("q", 384, head + [600, 601], [b], [15.0],
+                                   **route_kwargs(PrefixAware(), 0.3))
+    assert chosen == b and released == []
+    await load.release("q")
+    loads = await load.loads([a, b])
+    assert all(v.inflight == 0 and v.prefill_tokens == 0 for v in loads.values())
+
+
 async def test_a_dead_routers_leases_are_swept_in_every_group(grouped):
     index, load, clock = grouped
     reps = fleet(index.groups, 1)

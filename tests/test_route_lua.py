@@ -576,9 +576,10 @@ async def test_a_route_script_that_answers_late_has_its_prediction_moved_to_the_
 async def test_a_late_heads_route_script_that_found_the_head_held_settles_as_held(
         own_redis, monkeypatch):
     """A long prompt's head decided while Redis pauses its writes: the fallback decides on
-    the head (the index is not read), and the script, once it runs, finds the whole head
-    held on ``a`` and does nothing; its settlement (``AtomicRoute.settle``) is ``held``,
-    with nothing to undo."""
+    the head (the index is not read) and sends it to ``b`` (``a`` is busy), and the script,
+    once it runs, finds the whole head held on ``a`` and does nothing; its settlement
+    (``AtomicRoute.settle``) is ``held``, and writes the predicted entries that neither it
+    nor the fallback wrote for ``b``, so the conversation's next turn follows the request."""
     import redis as sync_redis
     from router.routing import core as core_module
 
@@ -587,6 +588,7 @@ async def test_a_late_heads_route_script_that_found_the_head_held_settles_as_hel
     admin = sync_redis.Redis.from_url(own_redis.url)
     hashes = list(range(7000, 7010))
     await index.record_predicted("a", hashes, 60.0)
+    await load.reserve("busy", "a", 100_000)
     outcomes, settle = [], core.atomic.settle
 
     async def recorded(*args, **kwargs):
@@ -596,11 +598,13 @@ async def test_a_late_heads_route_script_that_found_the_head_held_settles_as_hel
     admin.execute_command("CLIENT", "PAUSE", 300, "WRITE")
     d = await core.decide("q1", len(hashes) * 32, hashes,
                           [ReplicaInfo("a", {}, {}), ReplicaInfo("b", {}, {})], head=True)
-    assert d.reason == "fallback"
+    assert (d.reason, d.replica) == ("fallback", "b")
     await _settled(core_module)
     assert outcomes == ["held"]
-    assert admin.hget(f"{ns}:load", "a:t") is None and admin.hget(f"{ns}:load", "b:t") is None
+    assert int(admin.hget(f"{ns}:load", "a:n")) == 1  # "busy" only: the script reserved none
+    assert (await index.lookup(hashes, ["b"]))["b"] == len(hashes)
     await load.release("q1")
+    await load.release("busy")
     assert admin.hgetall(f"{ns}:leases") == {}
     await load.close()
     await conn.close()

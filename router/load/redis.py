@@ -108,13 +108,29 @@ class RedisLoadTracker(LoadTracker):
             return 0
         return self._lease_group.get(request_id)
 
-    def reserving(self, request_id: str, group: int) -> None:
+    def reserving(self, request_id: str, group: int) -> int | None:
         """A script is about to reserve ``request_id`` in ``group`` (``AtomicRoute``): its
         lease may be there from now on, even if the call fails (a later reservation or
-        release of the id then goes there too)."""
+        release of the id then goes there too). Returns the group its lease was known in
+        before (None: none, or no groups), for ``not_reserved``."""
         self.used(group)
-        if self.groups.tagged:
-            self._lease_group[request_id] = group
+        if not self.groups.tagged:
+            return None
+        before = self._lease_group.get(request_id)
+        self._lease_group[request_id] = group
+        return before
+
+    def not_reserved(self, request_id: str, before: int | None) -> None:
+        """The script announced by ``reserving`` answered that it wrote no lease (a long
+        prompt's head found held, ``route_head``): the lease's group is what it was
+        before (``before``, ``reserving``'s answer), so that the next decision does not
+        release a lease that is not there first."""
+        if not self.groups.tagged:
+            return
+        if before is None:
+            self._lease_group.pop(request_id, None)
+        else:
+            self._lease_group[request_id] = before
 
     def used(self, group: int) -> None:
         """This router reserved in ``group`` now: its heartbeat there is kept, and the

@@ -101,7 +101,7 @@ class AtomicRoute:
         load.ensure_heartbeat()
         everyone = replicas
         kv_free_tokens = list(kv_free_tokens or [None] * len(replicas))
-        group = 0
+        group, lease_group = 0, None
         if groups.tagged:
             parts = groups.split(replicas)
             group = self.first_level.choose(block_hashes, parts, request_id)
@@ -112,7 +112,7 @@ class AtomicRoute:
             kv_free_tokens = [free_of[r] for r in replicas]
             # a lease of this request in another group (Serve asked again) goes first
             await load.release_elsewhere(request_id, group)
-            load.reserving(request_id, group)
+            lease_group = load.reserving(request_id, group)
         keys, lkeys = groups.keys[group], load.groups.keys[group]
         redis_keys = [k for r in replicas for k in keys.replica_entries(r)] + [
             keys.replicas, lkeys.load, lkeys.leases, load.heartbeat_key_of(group), keys.roots]
@@ -137,6 +137,8 @@ class AtomicRoute:
                             block_hashes, group) from None
         matched = {r: int(n) for r, n in zip(replicas, res[1:len(replicas) + 1])}
         if int(res[0]) < 1:  # route_head: the whole head is held; nothing was done
+            if groups.tagged:
+                load.not_reserved(request_id, lease_group)
             raise HeadHeld(matched)
         chosen = replicas[int(res[0]) - 1]
         cached = cached_tokens(matched[chosen], prompt_tokens, block_size)
@@ -179,8 +181,9 @@ class AtomicRoute:
 
         Returns:
             ``same`` (it chose ``routed``), ``held`` (a head's script found a candidate
-            holding the whole head: it decided and wrote nothing), ``moved`` (another
-            replica: corrected),
+            holding the whole head: it decided and wrote nothing, so ``routed`` gets the
+            predicted entries the fallback did not write), ``moved`` (another replica:
+            corrected),
             ``lost`` (it failed, or no answer within the bound: nothing is known),
             ``dropped`` (it was cut at the deadline, ``MAX_LATE_CALLS`` being left running:
             whether it ran is not known, and nothing is undone; a Redis that answers
@@ -196,6 +199,9 @@ class AtomicRoute:
             return "lost"
         res = late.reply.result()
         if int(res[0]) < 1:
+            if routed is not None:
+                await self.index.record_predicted(routed, late.block_hashes, routed_ttl_s,
+                                                  maintenance=True)
             return "held"
         pick = int(res[0]) - 1
         chosen, matched = late.replicas[pick], int(res[1 + pick])

@@ -109,10 +109,13 @@ def render_threads(settings: Settings) -> int:
 
 class _Rest:
     """The rest of a long prompt that ``IngressCore.prepare`` hashed as far as its head
-    (``router.serve.protocol.PromptRest``, carried by ``RoutedRequest.rest``)."""
+    (``router.serve.protocol.PromptRest``, carried by ``RoutedRequest.rest``). Made on the
+    ingress's event loop; the routing step may run on another (Serve's router loop, a
+    thread of its own, on the handle data path)."""
 
     def __init__(self, ingress: "IngressCore", info: PromptInfo):
         self.ingress, self.info = ingress, info
+        self.loop = asyncio.get_running_loop()
 
     async def finish(self, req: RoutedRequest) -> None:
         """Encode the rest and hash the whole prompt, on asyncio's threads (not ahead of
@@ -120,8 +123,11 @@ class _Rest:
         await asyncio.to_thread(self.ingress._finish, req, self.info)
 
     def done(self, req: RoutedRequest) -> None:
-        """Record the prompt as routed (head or whole) for the warm-up."""
-        self.ingress._observe(req, self.info)
+        """Record the prompt as routed (head or whole) for the warm-up, on the ingress's
+        loop, where every other use of the warm-up's record runs (it has no lock). Never
+        raises: a loop already closed (the ingress stopping) records nothing."""
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.ingress._observe, req, self.info)
 
 
 class IngressCore:
