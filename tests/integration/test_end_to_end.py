@@ -248,8 +248,11 @@ def test_a_long_new_document_is_routed_on_its_head_and_followed_up_exactly(servi
     home = first.headers["x-routed-replica"]
 
     def indexed() -> int:  # what a decision would predict there now (nothing is written)
+        # another question than the follow-up's: explain tokenizes its prompt whole, and
+        # the renderer's cache would then hold the follow-up's message, which it would
+        # encode from there instead of as a long prompt's rest
         why = service.client.post("/admin/explain", params={"route": "chat"}, json={
-            "model": "tiny-qwen2", "messages": ask("And S0002?"), "max_tokens": 1}).json()
+            "model": "tiny-qwen2", "messages": ask("And S0003?"), "max_tokens": 1}).json()
         return next(c["predicted_cached_tokens"] or 0 for c in why["candidates"]
                     if c["replica"] == home)
     # the engine's KV events reach the index (a second or more on a loaded machine)
