@@ -36,8 +36,9 @@
 --   ("route_head" is "route" for the blocks of a long prompt's head, whose rest the router
 --   has not tokenized: when a candidate holds every one of them, its match may go on past
 --   the head, and the script returns {-1, matched blocks per candidate...} having decided,
---   reserved and written nothing, so that the router tokenizes the rest and routes again
---   on the whole prompt; otherwise it routes as "route" does)
+--   reserved and written nothing (but the root holders' upkeep of step 1, as every route),
+--   so that the router tokenizes the rest and routes again on the whole prompt; otherwise
+--   it routes as "route" does)
 -- Returns: {chosen index (1-based, 0 in lookup mode), matched blocks per candidate...}, and
 --   in route mode one more value: the candidates' requests in flight after the reservation
 --   (the first level of the shard groups' choice reads it: router/routing/groups.py)
