@@ -182,7 +182,7 @@ end
 local whole_head = false
 if mode == 'route_head' and nblocks > 0 then
   for j = 1, nc do
-    if matched[j] >= nblocks then whole_head = true end
+    if matched[j] >= nblocks then whole_head = true; break end
   end
 end
 if mode == 'lookup' or whole_head then

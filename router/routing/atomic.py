@@ -137,8 +137,7 @@ class AtomicRoute:
                             block_hashes, group) from None
         matched = {r: int(n) for r, n in zip(replicas, res[1:len(replicas) + 1])}
         if int(res[0]) < 1:  # route_head: the whole head is held; nothing was done
-            if groups.tagged:
-                load.not_reserved(request_id, lease_group)
+            load.not_reserved(request_id, lease_group)
             raise HeadHeld(matched)
         chosen = replicas[int(res[0]) - 1]
         cached = cached_tokens(matched[chosen], prompt_tokens, block_size)
