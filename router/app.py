@@ -64,7 +64,9 @@ async def _read_body(request: Request, settings: Settings) -> bytes:
     stream = request.stream().__aiter__()
     while True:
         try:
-            chunk = await asyncio.wait_for(stream.__anext__(), settings.body_idle_timeout_s)
+            # a deadline on this task rather than wait_for's task per chunk (Python 3.11+)
+            async with asyncio.timeout(settings.body_idle_timeout_s):
+                chunk = await stream.__anext__()
         except StopAsyncIteration:
             break
         except asyncio.TimeoutError:

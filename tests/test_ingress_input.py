@@ -7,12 +7,39 @@ import pytest
 from router.config import Settings
 from router.prompt.render import CHAT_PATH, COMPLETIONS_PATH
 from router.serve.errors import OpenAIError
-from router.serve.ingress import IngressCore
+from router.serve.ingress import IngressCore, decode_json_body
 
 
 @pytest.fixture(scope="module")
 def ingress(model_dir):
     return IngressCore(Settings(model=str(model_dir)), engine_handle=None)
+
+
+# what json.loads accepts beyond RFC 8259 (msgspec refuses it), what both refuse, and what
+# both accept; decode_json_body must answer each exactly as json.loads does
+JSON_EDGES = [
+    b'{"a": NaN, "b": Infinity, "c": -Infinity}', b'{"a": 1e400, "b": -1e400, "c": 1.5e-400}',
+    b'{"a": "\\ud800 lone", "b": "\\udfff"}', b'\xef\xbb\xbf{"a": 1}',
+    '{"a": "\u00e9"}'.encode("utf-16"), '{"a": 1}'.encode("utf-32"),
+    b'{"a": 123456789012345678901234567890, "b": -0.0, "c": 1, "c": 2}',
+    b'{"a": "\\ud83d\\ude00", "b": "\xc3\xa9", "c": "\\u0000"}', b' [1, 2.50, true, null] ',
+    b'{"a": "x\ny"}', b'{"a": tru}', b'{"a": 1}x', b'{"a": 01}', b'{"a": .5}', b'{"a": "\\x"}',
+    b'{"a": "\xff"}', b"", b"[" * 3000 + b"]" * 3000,
+]
+
+
+@pytest.mark.parametrize("raw", JSON_EDGES)
+def test_bodies_are_decoded_exactly_as_json_loads_decodes_them(raw):
+    """msgspec decodes first and ``json.loads`` takes what it refuses: the same value, or
+    the same error, as ``json.loads`` alone."""
+    import json
+    try:
+        want = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        with pytest.raises(type(exc)):
+            decode_json_body(raw)
+        return
+    assert repr(decode_json_body(raw)) == repr(want)  # nan == nan is false; its repr is not
 
 
 @pytest.mark.parametrize("depth", [1_500, 100_000])
