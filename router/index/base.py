@@ -50,6 +50,13 @@ class IndexUnavailable(RuntimeError):
     """
 
 
+class IndexBusy(IndexUnavailable):
+    """A routing call not sent: as many of this process's routing calls to Redis are in
+    flight as its adaptive bound allows (``router.index.redis.RoutingCallLimit``: Redis
+    answers late). The request is routed as for any ``IndexUnavailable``, at once, without
+    adding to Redis's queue."""
+
+
 class HeadHeld(Exception):
     """A decision on a long prompt's head (``router.routing.core.RouteInput.head``: the
     blocks of its first ``Settings.route_head_chars`` characters or so, the rest not yet

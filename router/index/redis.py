@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import sys
+import time
 from typing import Any, Sequence
 
 import redis.asyncio as aioredis
@@ -31,7 +32,7 @@ from redis.exceptions import RedisClusterException, RedisError
 from router.clock import Clock, SystemClock
 from router.config import redact_url
 from router.hashing import BlockHash
-from router.index.base import IndexStats, IndexUnavailable, PrefixIndex
+from router.index.base import IndexBusy, IndexStats, IndexUnavailable, PrefixIndex
 from router.kv_events.wire import EventKind, KVEvent
 from router.logs import get_logger
 from router.redis_keys import (GONE_TTL_S, EventOp, RedisKeys, ScriptCache, ShardGroups,
@@ -96,6 +97,60 @@ def cluster_hiredis_packed(client) -> None:
             node.connection_class = hiredis_packed(node.connection_class)
 
 
+class RoutingCallLimit:
+    """An adaptive bound on a process's routing calls in flight to one Redis (additive
+    increase, multiplicative decrease, as TCP's congestion window and Netflix's
+    concurrency-limits ``AIMDLimit``).
+
+    A Redis that runs out of its core answers every caller later, and a routing call has a
+    deadline (``Settings.redis_timeout_s``): past it, the request is routed by the fallback,
+    but Redis still runs the call, and a route script that answered late is then settled by
+    one more call (``router.routing.atomic.AtomicRoute.settle``). Unbounded, a saturated
+    Redis thus answered almost every call late, routed almost every request by the
+    fallback, and spent its core on answers nobody waited for (on the 16-core host with 8
+    ingress processes on one Redis: 18,625 of the window's requests by the fallback,
+    docs/benchmarks.md). Bounded, the calls beyond what Redis answers in time are not sent:
+    their requests go by the fallback at once, and the others keep the index.
+
+    The rule, per call answered: within half the deadline, the bound grows by
+    ``1 / bound`` (by one per bound's worth of timely answers), up to ``ceiling``; between
+    half the deadline and the deadline, it stays; at the deadline (a late call), it falls
+    to half the calls then in flight, at least 1. Calls in flight are those sent and not
+    yet answered, up to their deadline (a late call left running no longer counts: the
+    bound's fall accounts for it).
+
+    Args:
+        ceiling: the largest bound (calls), the bound at start.
+        deadline_s: the routing calls' deadline (s).
+    """
+
+    def __init__(self, ceiling: int, deadline_s: float):
+        self.ceiling = ceiling
+        self.deadline_s = deadline_s
+        self.bound = float(ceiling)
+        self.inflight = 0
+
+    def admit(self) -> bool:
+        """Whether one more call may be sent now; if so, it is counted in flight (each
+        admitted call ends with ``answered`` or ``late``)."""
+        if self.inflight >= max(int(self.bound), 1):
+            return False
+        self.inflight += 1
+        return True
+
+    def answered(self, seconds: float) -> None:
+        """An admitted call ended (answered or failed) after ``seconds``, within its
+        deadline."""
+        self.inflight -= 1
+        if seconds <= self.deadline_s / 2:
+            self.bound = min(self.bound + 1.0 / max(self.bound, 1.0), float(self.ceiling))
+
+    def late(self) -> None:
+        """An admitted call reached its deadline unanswered."""
+        self.bound = max(1.0, min(self.bound, self.inflight / 2))
+        self.inflight -= 1
+
+
 class RedisConnections:
     """One ``redis.asyncio`` client per event loop, all for the same URL.
 
@@ -120,6 +175,9 @@ class RedisConnections:
     # and how many may be left running at once in a process
     LATE_REPLY_S = 2.0
     MAX_LATE_CALLS = 256
+    # the largest bound on routing calls in flight per process and event loop
+    # (RoutingCallLimit): the bound at start, far above what a process sends at once
+    MAX_ROUTING_CALLS = 256
 
     def __init__(self, url: str, timeout_s: float,
                  connection_kwargs: dict[str, Any] | None = None, cluster: bool = False,
@@ -132,6 +190,7 @@ class RedisConnections:
         self._clients: dict[tuple[int, float], Any] = {}
         self._topology_reads: dict[int, asyncio.Future] = {}  # cluster client id -> read
         self._late: set[asyncio.Future] = set()  # calls left running (call_or_leave)
+        self._limits: dict[int, RoutingCallLimit] = {}  # per event loop (routing calls)
         self.layout = None  # see layout_namespace
         if layout_namespace is not None:
             from router.index.layout import LayoutGuard
@@ -176,7 +235,31 @@ class RedisConnections:
         ``MAINTENANCE_TIMEOUT_S`` for ``maintenance`` calls (those that must not be lost
         because a loaded machine answered late; their client connects within that bound
         too), or by ``bound_s`` on the routing client (connect within the routing timeout);
-        errors become IndexUnavailable."""
+        errors become IndexUnavailable. A routing call (neither) is first admitted by
+        this event loop's ``RoutingCallLimit``; one it does not admit raises ``IndexBusy``
+        without being sent."""
+        if maintenance or bound_s is not None:
+            return await self._call(coro_fn, args, maintenance, bound_s)
+        limit = self.routing_limit()
+        if not limit.admit():
+            raise self._busy(limit)
+        t0 = time.monotonic()
+        try:
+            out = await self._call(coro_fn, args, False, None)
+        except IndexUnavailable as exc:
+            if isinstance(exc.__cause__, asyncio.TimeoutError):
+                limit.late()
+            else:
+                limit.answered(time.monotonic() - t0)
+            raise
+        except BaseException:
+            limit.answered(time.monotonic() - t0)
+            raise
+        limit.answered(time.monotonic() - t0)
+        return out
+
+    async def _call(self, coro_fn, args: tuple, maintenance: bool,
+                    bound_s: float | None) -> Any:
         t = max(self.timeout_s, self.MAINTENANCE_TIMEOUT_S) if maintenance else self.timeout_s
         try:
             async with asyncio.timeout(max(t, bound_s or 0)):  # no task, unlike wait_for
@@ -189,6 +272,19 @@ class RedisConnections:
         except (RedisError, RedisClusterException, OSError, asyncio.TimeoutError) as exc:
             raise IndexUnavailable(f"redis at {self.shown_url}: {type(exc).__name__}: "
                                    f"{exc}") from exc
+
+    def routing_limit(self) -> RoutingCallLimit:
+        """This event loop's bound on routing calls in flight (``RoutingCallLimit``)."""
+        key = id(asyncio.get_running_loop())
+        limit = self._limits.get(key)
+        if limit is None:
+            limit = self._limits[key] = RoutingCallLimit(self.MAX_ROUTING_CALLS,
+                                                         self.timeout_s)
+        return limit
+
+    def _busy(self, limit: RoutingCallLimit) -> IndexBusy:
+        return IndexBusy(f"redis at {self.shown_url}: {limit.inflight} routing calls in "
+                         f"flight, the adaptive bound (Redis answered late): not sent")
 
     async def call_or_leave(self, coro_fn, *args: Any) -> Any:
         """``call`` for a call whose effect must be known even when its answer is late (the
@@ -206,11 +302,31 @@ class RedisConnections:
         Costs a task per call: 20-28 us more than ``call`` on the 2-core VM
         (``python -m loadtest.index_bench --only calls``, docs/benchmarks.md).
 
+        Admitted first by this event loop's ``RoutingCallLimit``, as ``call``'s routing
+        calls are.
+
         Raises:
             LateCall: the answer is not in yet (an ``IndexUnavailable``).
+            IndexBusy: not sent (``RoutingCallLimit``).
             IndexUnavailable: Redis failed or refused within the bound.
             asyncio.CancelledError: the caller was cancelled; the call is cancelled with it.
         """
+        limit = self.routing_limit()
+        if not limit.admit():
+            raise self._busy(limit)
+        t0 = time.monotonic()
+        try:
+            out = await self._leave_if_late(coro_fn, args)
+        except LateCall:
+            limit.late()
+            raise
+        except BaseException:
+            limit.answered(time.monotonic() - t0)
+            raise
+        limit.answered(time.monotonic() - t0)
+        return out
+
+    async def _leave_if_late(self, coro_fn, args: tuple) -> Any:
         loop = asyncio.get_running_loop()
         call = self.call(coro_fn, *args, bound_s=self.LATE_REPLY_S)
         # started at once where Python can (3.12+: it sends its command now, not on the

@@ -21,7 +21,7 @@ from typing import Sequence
 
 from router.config import Settings
 from router.hashing import HashSettings
-from router.index.base import HeadHeld, IndexUnavailable, PrefixIndex
+from router.index.base import HeadHeld, IndexBusy, IndexUnavailable, PrefixIndex
 from router.load.base import LoadTracker, ReplicaLoad
 from router.logs import get_logger
 from router.policy import (
@@ -668,6 +668,10 @@ class RoutingCore:
             self.health.forget(replica)
 
     def _index_error(self, exc: Exception, op: str) -> None:
+        if isinstance(exc, IndexBusy):  # not sent: Redis is slow, not gone (no flip, no log)
+            from router import metrics
+            metrics.inc("index_shed", tags={"op": op})
+            return
         if self.index_available:
             logger.warning("prefix index unavailable (%s): routing by load until it returns",
                            exc)

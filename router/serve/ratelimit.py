@@ -21,7 +21,7 @@ import threading
 from typing import Any
 
 from router.clock import Clock, SystemClock
-from router.index.base import IndexUnavailable
+from router.index.base import IndexBusy, IndexUnavailable
 from router.logs import get_logger
 from router.redis_keys import RedisKeys, ScriptCache
 from router.serve.auth import Tenant
@@ -147,7 +147,8 @@ class RateLimiter:
                 if over is None:
                     self.local.record(tenant.name, limits)
             except IndexUnavailable as exc:
-                logger.warning("rate limits counted in this process only (Redis: %s)", exc)
+                (logger.debug if isinstance(exc, IndexBusy) else logger.warning)(
+                    "rate limits counted in this process only (Redis: %s)", exc)
                 over = self.local.check_now(tenant.name, limits)
         else:
             over = self.local.check_now(tenant.name, limits)
