@@ -20,6 +20,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/setup.sh
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
+# Serve's HTTP proxy answers a request header it cannot decode with a 400, not a plain-text
+# 500 (router/serve/header_guard.py)
+export RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=${RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH:-router.serve.header_guard:proxy_middlewares}
 config=${1:-deploy/cpu.yaml}
 case "$config" in *gpu*) HA_PROXY=${HA_PROXY:-1} ;; esac
 if [ "${HA_PROXY:-0}" = 1 ]; then

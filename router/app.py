@@ -72,9 +72,12 @@ async def _read_body(request: Request, settings: Settings) -> bytes:
         except asyncio.TimeoutError:
             logger.warning("request body stalled for %.0f s after %d bytes: 408",
                            settings.body_idle_timeout_s, size)
+            # the unread rest of the body makes the connection unusable: closed after the
+            # answer (a client that sent the next request on it would wait for nothing)
             raise OpenAIError(408, f"the request body stopped arriving for "
                                    f"{settings.body_idle_timeout_s:g} s (setting "
-                                   "body_idle_timeout_s)", "RequestTimeoutError") from None
+                                   "body_idle_timeout_s)", "RequestTimeoutError",
+                              headers={"connection": "close"}) from None
         size += len(chunk)
         if size > limit:
             logger.warning("request body over %d bytes refused", limit)
@@ -286,7 +289,7 @@ class Ingress:
             return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
         return Response(content, status_code=status, headers=headers)
 
-    @fastapi_app.get("/health")
+    @fastapi_app.api_route("/health", methods=["GET", "HEAD"])
     async def health(self) -> Response:
         """200 while at least one engine replica can serve, 503 while none can
         (``health_of``), with what a load balancer and an operator need to tell apart:

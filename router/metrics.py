@@ -99,7 +99,7 @@ def _make() -> dict[str, Any]:
             "Routing decisions whose Redis call was not sent, as many of the process's "
             "routing calls being in flight as its adaptive bound allows (Redis answering "
             "late, router.index.redis.RoutingCallLimit): routed as when the index fails, "
-            "at once. By the call: route, lookup or session.", tag_keys=("op",)),
+            "at once. By the call (route, lookup, session, record...).", tag_keys=("op",)),
         "index_available": Gauge("router_index_available",
                                  "1 while the last index call succeeded, else 0."),
         "index_layout_conflict": Gauge(

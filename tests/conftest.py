@@ -150,8 +150,12 @@ def ray_cluster():
     engines are mostly idle, and Serve's defaults would not schedule otherwise)."""
     import ray
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # as deploy/run.sh starts the service: Serve's proxy with router.serve.header_guard
+    guard = "router.serve.header_guard:proxy_middlewares"
+    os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", guard)
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled"}})
+             runtime_env={"env_vars": {"RAY_AUTH_MODE": "disabled",
+                                       "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH": guard}})
     yield ray
     from ray import serve
     try:

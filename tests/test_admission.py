@@ -186,6 +186,9 @@ def test_priorities_are_integers_and_a_tenant_cannot_jump_its_tier():
         with pytest.raises(OpenAIError) as err:
             parse_priority(bad)
         assert err.value.status == 400 and err.value.param == "x-priority"
+        # an integer out of range is told the range (found by a new-user review)
+        assert ("from -2147483647 to 2147483647" in err.value.body()["error"]["message"])
+    assert parse_priority(str(2 ** 31 - 1)) == 2 ** 31 - 1
     assert resolve_priority(None, None) == 0 and resolve_priority("7", None) == 7
     gold, free = Tenant("gold", priority=0), Tenant("free", priority=10)
     assert resolve_priority(None, free) == 10 and resolve_priority("0", free) == 10

@@ -470,6 +470,7 @@ def parse_priority(value: str | None, default: int = 0) -> int:
     except ValueError:
         p = None
     if p is None or abs(p) >= 2 ** 31:
-        raise OpenAIError(400, f"priority must be an integer (lower is served first), not "
-                               f"{value[:40]!r}", "BadRequestError", "x-priority")
+        raise OpenAIError(400, f"priority must be an integer from {-(2 ** 31) + 1} to "
+                               f"{2 ** 31 - 1} (lower is served first), not {value[:40]!r}",
+                          "BadRequestError", "x-priority")
     return p

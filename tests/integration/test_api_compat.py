@@ -305,6 +305,32 @@ def test_health_says_ready_once_every_configured_replica_serves(service):
     body = service.client.get("/health").json()
     assert body["status"] == "ok"
     assert (body["replicas"], body["engines_alive"], body["configured_replicas"]) == (2, 2, 2)
+    # found by a new-user review: load balancers' checks that send HEAD got a 405
+    head = service.client.head("/health")
+    assert head.status_code == 200 and head.content == b""
+
+
+def test_a_session_header_that_is_not_utf8_is_a_400_not_a_500(service):
+    """Found by a new-user review: Serve's proxy decodes ``x-session-id`` (and
+    ``x-request-id``) as UTF-8 and answered a byte that is not with a plain-text 500, on
+    every path; ``router.serve.header_guard`` answers it with a JSON 400 first."""
+    import json
+    import socket
+    from urllib.parse import urlsplit
+
+    u = urlsplit(str(service.client.base_url))
+    for header in (b"x-session-id", b"x-request-id"):
+        with socket.create_connection((u.hostname, u.port), timeout=30) as sock:
+            sock.sendall(b"GET " + (u.path.rstrip("/") + "/health").encode() +
+                         b" HTTP/1.1\r\nHost: x\r\n" + header +
+                         b": \xff\r\nConnection: close\r\n\r\n")
+            raw = b""
+            while chunk := sock.recv(65536):
+                raw += chunk
+        head, _, body = raw.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400"), raw[:300]
+        assert json.loads(body)["error"]["param"] == header.decode()
+    assert service.client.get("/health").status_code == 200  # and it goes on serving
 
 
 def _router_series(text: str) -> set[str]:

@@ -1,0 +1,37 @@
+"""``router.serve.header_guard``: headers Ray Serve's proxy cannot decode get a 400."""
+
+from __future__ import annotations
+
+import json
+
+from router.serve.header_guard import HeaderGuard, proxy_middlewares, undecodable_header
+
+
+def test_the_headers_rays_proxy_decodes_must_be_utf8():
+    ok = [(b"content-type", b"application/json"), (b"x-session-id", "café".encode()),
+          (b"x-note", b"\xff latin-1 bytes elsewhere are the application's")]
+    assert undecodable_header(ok) is None
+    for name in (b"x-session-id", b"X_Session_Id", b"x-request-id",
+                 b"serve-multiplexed-model-id"):
+        assert undecodable_header(ok + [(name, b"\xff")]) == name.decode()
+    assert undecodable_header([(b"x-\xe9", b"v")]) == "x-\xe9"  # a name: always decoded
+
+
+async def test_the_guard_answers_400_in_the_openai_shape_and_passes_the_rest():
+    calls, sent = [], []
+
+    async def app(scope, receive, send):
+        calls.append(scope)
+
+    async def send(message):
+        sent.append(message)
+
+    guard = HeaderGuard(app)
+    await guard({"type": "http", "headers": [(b"x-session-id", b"\xff")]}, None, send)
+    assert not calls and sent[0]["status"] == 400
+    body = json.loads(sent[1]["body"])
+    assert body["error"]["param"] == "x-session-id" and body["error"]["code"] == 400
+    await guard({"type": "http", "headers": [(b"x-session-id", b"abc")]}, None, send)
+    await guard({"type": "lifespan"}, None, send)
+    assert len(calls) == 2 and len(sent) == 2
+    assert [m.cls for m in proxy_middlewares()] == [HeaderGuard]
