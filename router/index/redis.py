@@ -240,20 +240,24 @@ class RedisConnections:
         without being sent."""
         if maintenance or bound_s is not None:
             return await self._call(coro_fn, args, maintenance, bound_s)
+        return await self._admitted(lambda: self._call(coro_fn, args, False, None))
+
+    async def _admitted(self, run) -> Any:
+        """``await run()``, a routing call, if this event loop's ``RoutingCallLimit``
+        admits it (``IndexBusy`` if not), reporting to the limit how it ended: late
+        (``LateCall``, or cut at the routing deadline) or answered."""
         limit = self.routing_limit()
         if not limit.admit():
             raise self._busy(limit)
         t0 = time.monotonic()
         try:
-            out = await self._call(coro_fn, args, False, None)
-        except IndexUnavailable as exc:
-            if isinstance(exc.__cause__, asyncio.TimeoutError):
+            out = await run()
+        except BaseException as exc:
+            if isinstance(exc, LateCall) or (isinstance(exc, IndexUnavailable) and
+                                             isinstance(exc.__cause__, asyncio.TimeoutError)):
                 limit.late()
             else:
                 limit.answered(time.monotonic() - t0)
-            raise
-        except BaseException:
-            limit.answered(time.monotonic() - t0)
             raise
         limit.answered(time.monotonic() - t0)
         return out
@@ -311,20 +315,7 @@ class RedisConnections:
             IndexUnavailable: Redis failed or refused within the bound.
             asyncio.CancelledError: the caller was cancelled; the call is cancelled with it.
         """
-        limit = self.routing_limit()
-        if not limit.admit():
-            raise self._busy(limit)
-        t0 = time.monotonic()
-        try:
-            out = await self._leave_if_late(coro_fn, args)
-        except LateCall:
-            limit.late()
-            raise
-        except BaseException:
-            limit.answered(time.monotonic() - t0)
-            raise
-        limit.answered(time.monotonic() - t0)
-        return out
+        return await self._admitted(lambda: self._leave_if_late(coro_fn, args))
 
     async def _leave_if_late(self, coro_fn, args: tuple) -> Any:
         loop = asyncio.get_running_loop()
