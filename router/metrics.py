@@ -96,10 +96,10 @@ def _make() -> dict[str, Any]:
                                 tag_keys=("op",)),
         "index_shed": Counter(
             "router_index_shed_total",
-            "Routing decisions whose Redis call was not sent, as many of the process's "
-            "routing calls being in flight as its adaptive bound allows (Redis answering "
-            "late, router.index.redis.RoutingCallLimit): routed as when the index fails, "
-            "at once. By the call (route, lookup, session, record...).", tag_keys=("op",)),
+            "Route scripts (op=route) and session reads (op=session) not sent, as many "
+            "of the process's such calls being in flight as its adaptive bound allows "
+            "(Redis answering late, router.index.redis.RoutingCallLimit): their requests "
+            "were decided as when the index fails, at once.", tag_keys=("op",)),
         "index_available": Gauge("router_index_available",
                                  "1 while the last index call succeeded, else 0."),
         "index_layout_conflict": Gauge(

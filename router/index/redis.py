@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import sys
-import time
 from typing import Any, Sequence
 
 import redis.asyncio as aioredis
@@ -112,42 +111,47 @@ class RoutingCallLimit:
     docs/benchmarks.md). Bounded, the calls beyond what Redis answers in time are not sent:
     their requests go by the fallback at once, and the others keep the index.
 
-    The rule, per call answered: within half the deadline, the bound grows by
-    ``1 / bound`` (by one per bound's worth of timely answers), up to ``ceiling``; between
-    half the deadline and the deadline, it stays; at the deadline (a late call), it falls
-    to half the calls then in flight, at least 1. Calls in flight are those sent and not
-    yet answered, up to their deadline (a late call left running no longer counts: the
-    bound's fall accounts for it).
+    The rule: a call answered within its deadline raises the bound by ``1 / bound`` (by
+    one per bound's worth of answers), up to ``ceiling``; a call that reaches its deadline
+    lowers it to half the calls then in flight (at least 1), once per stall: the other
+    calls sent before that cut that reach their deadline too do not cut it again (TCP
+    halves its window once per window of losses). A call that fails or is cancelled
+    changes nothing. Calls in flight are those sent and not yet ended, up to their
+    deadline (a late call left running no longer counts: the cut accounts for it).
 
     Args:
         ceiling: the largest bound (calls), the bound at start.
-        deadline_s: the routing calls' deadline (s).
     """
 
-    def __init__(self, ceiling: int, deadline_s: float):
+    def __init__(self, ceiling: int):
         self.ceiling = ceiling
-        self.deadline_s = deadline_s
         self.bound = float(ceiling)
         self.inflight = 0
+        self.cuts = 0  # cuts so far; a call admitted before the last one cuts no more
 
-    def admit(self) -> bool:
-        """Whether one more call may be sent now; if so, it is counted in flight (each
-        admitted call ends with ``answered`` or ``late``)."""
+    def admit(self) -> int | None:
+        """Count one more call in flight if the bound allows it now, returning the cuts so
+        far (to give to ``late``); None when it does not. Each admitted call ends with
+        ``answered``, ``ended`` or ``late``."""
         if self.inflight >= max(int(self.bound), 1):
-            return False
+            return None
         self.inflight += 1
-        return True
+        return self.cuts
 
-    def answered(self, seconds: float) -> None:
-        """An admitted call ended (answered or failed) after ``seconds``, within its
-        deadline."""
+    def answered(self) -> None:
+        """An admitted call was answered within its deadline."""
         self.inflight -= 1
-        if seconds <= self.deadline_s / 2:
-            self.bound = min(self.bound + 1.0 / max(self.bound, 1.0), float(self.ceiling))
+        self.bound = min(self.bound + 1.0 / max(self.bound, 1.0), float(self.ceiling))
 
-    def late(self) -> None:
-        """An admitted call reached its deadline unanswered."""
-        self.bound = max(1.0, min(self.bound, self.inflight / 2))
+    def ended(self) -> None:
+        """An admitted call failed or was cancelled within its deadline."""
+        self.inflight -= 1
+
+    def late(self, admitted_at: int) -> None:
+        """An admitted call (``admit`` returned ``admitted_at``) reached its deadline."""
+        if admitted_at == self.cuts:
+            self.bound = max(1.0, min(self.bound, self.inflight / 2))
+            self.cuts += 1
         self.inflight -= 1
 
 
@@ -230,36 +234,37 @@ class RedisConnections:
         return c
 
     async def call(self, coro_fn, *args: Any, maintenance: bool = False,
-                   bound_s: float | None = None) -> Any:
+                   bound_s: float | None = None, shed: bool = False) -> Any:
         """Run ``coro_fn(client, *args)`` bounded by the routing timeout, or by
         ``MAINTENANCE_TIMEOUT_S`` for ``maintenance`` calls (those that must not be lost
         because a loaded machine answered late; their client connects within that bound
         too), or by ``bound_s`` on the routing client (connect within the routing timeout);
-        errors become IndexUnavailable. A routing call (neither) is first admitted by
-        this event loop's ``RoutingCallLimit``; one it does not admit raises ``IndexBusy``
-        without being sent."""
-        if maintenance or bound_s is not None:
+        errors become IndexUnavailable. With ``shed`` (a read a decision can do without:
+        a session's pin), the call is first admitted by this event loop's
+        ``RoutingCallLimit``, as the route script is (``call_or_leave``), and one it does
+        not admit raises ``IndexBusy`` without being sent."""
+        if not shed:
             return await self._call(coro_fn, args, maintenance, bound_s)
-        return await self._admitted(lambda: self._call(coro_fn, args, False, None))
+        return await self._admitted(lambda: self._call(coro_fn, args, maintenance, bound_s))
 
     async def _admitted(self, run) -> Any:
-        """``await run()``, a routing call, if this event loop's ``RoutingCallLimit``
-        admits it (``IndexBusy`` if not), reporting to the limit how it ended: late
-        (``LateCall``, or cut at the routing deadline) or answered."""
+        """``await run()`` if this event loop's ``RoutingCallLimit`` admits it
+        (``IndexBusy`` if not), telling the limit how it ended: late (``LateCall``, or cut
+        at the routing deadline), answered, or failed."""
         limit = self.routing_limit()
-        if not limit.admit():
+        admitted_at = limit.admit()
+        if admitted_at is None:
             raise self._busy(limit)
-        t0 = time.monotonic()
         try:
             out = await run()
         except BaseException as exc:
             if isinstance(exc, LateCall) or (isinstance(exc, IndexUnavailable) and
                                              isinstance(exc.__cause__, asyncio.TimeoutError)):
-                limit.late()
+                limit.late(admitted_at)
             else:
-                limit.answered(time.monotonic() - t0)
+                limit.ended()
             raise
-        limit.answered(time.monotonic() - t0)
+        limit.answered()
         return out
 
     async def _call(self, coro_fn, args: tuple, maintenance: bool,
@@ -282,8 +287,7 @@ class RedisConnections:
         key = id(asyncio.get_running_loop())
         limit = self._limits.get(key)
         if limit is None:
-            limit = self._limits[key] = RoutingCallLimit(self.MAX_ROUTING_CALLS,
-                                                         self.timeout_s)
+            limit = self._limits[key] = RoutingCallLimit(self.MAX_ROUTING_CALLS)
         return limit
 
     def _busy(self, limit: RoutingCallLimit) -> IndexBusy:
@@ -413,6 +417,7 @@ class RedisConnections:
         if self.layout is not None:
             self.layout.cancel()
         loop = id(running)
+        self._limits.pop(loop, None)  # a later loop may get this one's id
         for key in [k for k in self._clients if k[0] == loop]:
             client = self._clients.pop(key)
             task = self._topology_reads.pop(id(client), None)

@@ -102,7 +102,7 @@ class RedisSessionStore:
         self.prefix = RedisKeys(namespace).session_prefix
 
     async def get(self, key: str) -> str | None:
-        v = await self.conn.call(lambda c: c.get(self.prefix + key))
+        v = await self.conn.call(lambda c: c.get(self.prefix + key), shed=True)
         return v.decode() if v is not None else None
 
     async def pin_first(self, key: str, replica: str, ttl_s: float) -> str:
