@@ -310,8 +310,8 @@ class RedisConnections:
         Costs a task per call: 20-28 us more than ``call`` on the 2-core VM
         (``python -m loadtest.index_bench --only calls``, docs/benchmarks.md).
 
-        Admitted first by this event loop's ``RoutingCallLimit``, as ``call``'s routing
-        calls are.
+        Admitted first by this event loop's ``RoutingCallLimit``, as ``call``'s calls
+        with ``shed`` are.
 
         Raises:
             LateCall: the answer is not in yet (an ``IndexUnavailable``).
