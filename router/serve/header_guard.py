@@ -19,6 +19,8 @@ from __future__ import annotations
 import json
 import os
 
+from router.serve.errors import bad_request
+
 # the headers whose values Ray's proxy decodes (names compared as it compares them:
 # lower case, '-' and '_' alike)
 _REQUEST_ID = "x-request-id"
@@ -61,9 +63,8 @@ class HeaderGuard:
         bad = undecodable_header(scope.get("headers", ())) if scope["type"] == "http" else None
         if bad is None:
             return await self.app(scope, receive, send)
-        body = json.dumps({"error": {
-            "message": f"request header {bad!r} is not UTF-8 text", "type": "BadRequestError",
-            "param": bad, "code": 400}}).encode()
+        body = json.dumps(bad_request(f"request header {bad!r} is not UTF-8 text",
+                                      bad).body()).encode()
         await send({"type": "http.response.start", "status": 400, "headers": [
             (b"content-type", b"application/json"),
             (b"content-length", str(len(body)).encode())]})
