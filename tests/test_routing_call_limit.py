@@ -102,9 +102,15 @@ async def test_a_redis_that_answers_late_gets_fewer_calls_and_the_rest_are_not_s
     await conn.close()
 
 
-async def test_decisions_beyond_the_bound_go_by_the_fallback_without_an_index_error(own_redis):
+async def test_decisions_beyond_the_bound_go_by_the_fallback_without_an_index_error(
+        own_redis, monkeypatch, caplog):
     """A routing decision whose script is not sent is routed by this router's own counts at
-    once, counted as shed (not as an index error), and does not mark the index unavailable."""
+    once, counted once in ``router_index_shed_total`` (not as an index error: nothing
+    logged), and does not mark the index unavailable."""
+    from router import metrics
+    counted: list = []
+    monkeypatch.setattr(metrics, "inc", lambda name, value=1.0, tags=None: counted.append(
+        (name, value, tags)))
     ns = f"t-{uuid.uuid4().hex[:8]}"
     settings = Settings(redis_url=own_redis.url, index_namespace=ns, redis_timeout_s=2.0)
     conn = RedisConnections(own_redis.url, 2.0)
@@ -121,8 +127,12 @@ async def test_decisions_beyond_the_bound_go_by_the_fallback_without_an_index_er
     limit = conn.routing_limit()
     limit.bound = 1.0
     assert limit.admit() is not None  # one routing call already in flight: the bound's
-    shed = await core.decide("r1", 64, hashes, reps)
+    with caplog.at_level("DEBUG", logger="router"):
+        shed = await core.decide("r1", 64, hashes, reps)
     assert shed.reason == "fallback" and core.index_available and errors == []
+    assert [c for c in counted if c[0] == "index_shed"] == [
+        ("index_shed", 1.0, {"op": "route"})]
+    assert not [r for r in caplog.records if r.levelno >= 30], caplog.records  # no warning
     # the fallback's reservation is not shed: Redis's shared counts have the request
     assert await load.loads(["a", "b"]) and (await load.loads([shed.replica]))[
         shed.replica].inflight >= 1
@@ -134,3 +144,29 @@ async def test_decisions_beyond_the_bound_go_by_the_fallback_without_an_index_er
     await load.close()
     await index.flush()
     await conn.close()
+
+
+def test_a_loop_closed_without_close_takes_its_limit_along():
+    """The limits are held per event loop, weakly: a loop that ends without the
+    connections' ``close`` leaves no limit behind for a later loop that gets its id (it
+    would start with the old loop's cut bound and its calls counted in flight)."""
+    import gc
+
+    conn = RedisConnections("redis://127.0.0.1:1/0", 0.05)
+
+    async def cut():
+        limit = conn.routing_limit()
+        at = limit.admit()
+        limit.admit()
+        limit.late(at)
+        assert limit.bound < RedisConnections.MAX_ROUTING_CALLS and limit.inflight == 1
+
+    asyncio.run(cut())
+    gc.collect()
+    assert len(conn._limits) == 0
+
+    async def fresh():
+        limit = conn.routing_limit()
+        return limit.bound, limit.inflight
+
+    assert asyncio.run(fresh()) == (RedisConnections.MAX_ROUTING_CALLS, 0)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import sys
+import weakref
 from typing import Any, Sequence
 
 import redis.asyncio as aioredis
@@ -194,7 +195,9 @@ class RedisConnections:
         self._clients: dict[tuple[int, float], Any] = {}
         self._topology_reads: dict[int, asyncio.Future] = {}  # cluster client id -> read
         self._late: set[asyncio.Future] = set()  # calls left running (call_or_leave)
-        self._limits: dict[int, RoutingCallLimit] = {}  # per event loop (routing calls)
+        # per event loop (routing calls), held weakly: a loop closed without ``close`` takes
+        # its limit along, and a later loop (which may get its id) starts afresh
+        self._limits: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.layout = None  # see layout_namespace
         if layout_namespace is not None:
             from router.index.layout import LayoutGuard
@@ -284,10 +287,10 @@ class RedisConnections:
 
     def routing_limit(self) -> RoutingCallLimit:
         """This event loop's bound on routing calls in flight (``RoutingCallLimit``)."""
-        key = id(asyncio.get_running_loop())
-        limit = self._limits.get(key)
+        loop = asyncio.get_running_loop()
+        limit = self._limits.get(loop)
         if limit is None:
-            limit = self._limits[key] = RoutingCallLimit(self.MAX_ROUTING_CALLS)
+            limit = self._limits[loop] = RoutingCallLimit(self.MAX_ROUTING_CALLS)
         return limit
 
     def _busy(self, limit: RoutingCallLimit) -> IndexBusy:
@@ -416,8 +419,8 @@ class RedisConnections:
             task.cancel()  # a late answer has nobody left to settle it
         if self.layout is not None:
             self.layout.cancel()
+        self._limits.pop(running, None)  # a closed loop's calls start afresh elsewhere
         loop = id(running)
-        self._limits.pop(loop, None)  # a later loop may get this one's id
         for key in [k for k in self._clients if k[0] == loop]:
             client = self._clients.pop(key)
             task = self._topology_reads.pop(id(client), None)
