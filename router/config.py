@@ -162,6 +162,12 @@ class Settings(BaseSettings):
         "xxhash_cbor", description="--prefix-caching-hash-algo of every engine.")
     hash_seed: str = Field("0", description="PYTHONHASHSEED given to every engine; the root "
                                             "of the block-hash chain.")
+    extra_key_encoding: Literal["vllm-0.32", "vllm-0.26"] = Field(
+        "vllm-0.32", description="How the engines' vLLM encodes a block's extra keys "
+        "(cache_salt, LoRA) in its hash: vllm-0.32 tags them, vllm-0.26 does not "
+        "(docs/reference.md 3.2). Set it to the engines' version: the start-up hash probe "
+        "is unsalted and does not see a difference, and salted or LoRA requests would then "
+        "match predicted entries only.")
 
     # --- replicas on Ray Serve ----------------------------------------------------------
     num_replicas: int = Field(2, ge=0, description="Engine replicas.")
@@ -595,7 +601,7 @@ class Settings(BaseSettings):
     @property
     def hash_settings(self) -> HashSettings:
         return HashSettings(block_size=self.block_size, hash_algo=self.hash_algo,
-                            seed=self.hash_seed)
+                            seed=self.hash_seed, extra_key_encoding=self.extra_key_encoding)
 
     def adapter(self, model: Any) -> LoraAdapter | None:
         """The LoRA adapter a request's ``model`` names, or None (the base model)."""

@@ -103,6 +103,27 @@ def test_the_new_key_command_prints_the_key_once_and_stores_its_hash(tmp_path, c
     assert first not in path.read_text() and oct(os.stat(path).st_mode & 0o777) == "0o600"
 
 
+def test_the_revoke_command_drops_a_key_and_a_running_router_refuses_it(tmp_path, capsys):
+    path = tmp_path / "keys.json"
+    for tenant in ("acme", "acme", "ops"):
+        assert main(["new-key", "--tenant", tenant, "--file", str(path)]) == 0
+    a1, a2, ops = capsys.readouterr().out.split()
+    keys = ApiKeys(str(path), check_every_s=0.0)  # a router: reloads a changed file
+    assert keys.authenticate(f"Bearer {a1}") == Tenant("acme")
+    assert main(["revoke", "--file", str(path), "--key", a1]) == 0
+    with pytest.raises(OpenAIError) as exc:
+        keys.authenticate(f"Bearer {a1}")
+    assert exc.value.status == 401
+    assert keys.authenticate(f"Bearer {a2}") == Tenant("acme")
+    assert main(["revoke", "--file", str(path), "--sha256", hash_key(ops).upper()]) == 0
+    assert main(["revoke", "--file", str(path), "--tenant", "acme"]) == 0
+    assert json.loads(path.read_text())["keys"] == []
+    assert oct(os.stat(path).st_mode & 0o777) == "0o600"
+    before = path.read_text()
+    assert main(["revoke", "--file", str(path), "--tenant", "nobody"]) == 1
+    assert path.read_text() == before
+
+
 def test_cache_salts_part_tenants_and_join_a_cache_group():
     a, b = Tenant("a"), Tenant("b")
     assert tenant_cache_salt(a, None, None) != tenant_cache_salt(b, None, None)

@@ -140,3 +140,20 @@ def test_the_application_refuses_settings_given_twice(monkeypatch):
     monkeypatch.setenv("PREFIX_ROUTER_NUM_REPLICAS", "1")
     with pytest.raises(ValueError, match="num_replicas"):
         build_app({"num_replicas": 2})
+
+
+def test_extra_key_encoding_reaches_the_hasher(monkeypatch):
+    """The engines' vLLM version decides how a salt enters block 0's hash: the setting
+    reaches the router's hasher (the start-up probe is unsalted and cannot tell)."""
+    from router.hashing import BlockHasher
+
+    ids = list(range(64))
+    monkeypatch.setenv("PREFIX_ROUTER_EXTRA_KEY_ENCODING", "vllm-0.26")
+    old = Settings(block_size=32)
+    assert old.hash_settings.extra_key_encoding == "vllm-0.26"
+    new = Settings(block_size=32, extra_key_encoding="vllm-0.32")
+    salted = [BlockHasher(s.hash_settings).block_hashes(ids, cache_salt="t-acme")
+              for s in (old, new)]
+    assert salted[0] != salted[1]
+    assert BlockHasher(old.hash_settings).block_hashes(ids) == \
+        BlockHasher(new.hash_settings).block_hashes(ids)  # unsalted: the same

@@ -245,6 +245,16 @@ class ApiKeys:
         return tenant
 
 
+def _write_keys(path: Path, doc: dict) -> None:
+    """Write a keys document atomically with mode 0600 (a router reloading meanwhile reads
+    the old or the new file). Raises pydantic.ValidationError for an invalid document."""
+    KeysDocument.model_validate(doc)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2) + "\n")
+    os.chmod(tmp, 0o600)
+    tmp.replace(path)
+
+
 def _add_key(args: argparse.Namespace) -> int:
     key = new_key()
     path = Path(args.file)
@@ -255,20 +265,38 @@ def _add_key(args: argparse.Namespace) -> int:
     if args.cache_group:
         entry["cache_group"] = args.cache_group
     doc["keys"].append(entry)
-    KeysDocument.model_validate(doc)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2) + "\n")
-    os.chmod(tmp, 0o600)
-    tmp.replace(path)  # atomic: a router reloading meanwhile reads the old or the new file
+    _write_keys(path, doc)
     print(key)
     print(f"stored its SHA-256 for tenant {args.tenant!r} in {path}; the key is not stored "
           "and is shown only now", file=sys.stderr)
     return 0
 
 
+def _revoke(args: argparse.Namespace) -> int:
+    """Drop the entries of a key (``--key``, or its ``--sha256``) or of every key of a
+    ``--tenant`` from the file; 1 (and the file unchanged) when none matches."""
+    path = Path(args.file)
+    doc = json.loads(path.read_text())
+    digest = hash_key(args.key) if args.key else (args.sha256 or "").lower()
+    keep = [e for e in doc.get("keys", [])
+            if not ((digest and str(e.get("sha256", "")).lower() == digest)
+                    or (args.tenant is not None and e.get("tenant") == args.tenant))]
+    gone = len(doc.get("keys", [])) - len(keep)
+    if not gone:
+        print(f"no key in {path} matches: nothing revoked", file=sys.stderr)
+        return 1
+    doc["keys"] = keep
+    _write_keys(path, doc)
+    print(f"revoked {gone} key(s) in {path}; each ingress process reloads the file within "
+          "a second", file=sys.stderr)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m router.serve.auth new-key --tenant NAME --file FILE [--admin]
     [--cache-group GROUP]``: print a new key and add its hash to FILE;
+    ``python -m router.serve.auth revoke --file FILE (--key KEY | --sha256 HASH |
+    --tenant NAME)``: drop that key (or the tenant's keys) from FILE;
     ``python -m router.serve.auth hash KEY``: print a key's hash."""
     p = argparse.ArgumentParser(prog="python -m router.serve.auth", description=main.__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -277,11 +305,19 @@ def main(argv: list[str] | None = None) -> int:
     nk.add_argument("--file", required=True)
     nk.add_argument("--admin", action="store_true")
     nk.add_argument("--cache-group")
+    rk = sub.add_parser("revoke", help="drop a key, or every key of a tenant, from FILE")
+    rk.add_argument("--file", required=True)
+    which = rk.add_mutually_exclusive_group(required=True)
+    which.add_argument("--key", help="the key itself")
+    which.add_argument("--sha256", help="the key's SHA-256 (as stored in FILE)")
+    which.add_argument("--tenant", help="every key of this tenant")
     hk = sub.add_parser("hash", help="print the SHA-256 of a key (for a keys document)")
     hk.add_argument("key")
     args = p.parse_args(argv)
     if args.cmd == "new-key":
         return _add_key(args)
+    if args.cmd == "revoke":
+        return _revoke(args)
     print(hash_key(args.key))
     return 0
 
