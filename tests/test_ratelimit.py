@@ -3,6 +3,7 @@ fakeredis, on the TLS/ACL Redis, and in one process; one sliding-minute rule."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 
@@ -12,7 +13,8 @@ from router.clock import ManualClock
 from router.index.redis import RedisConnections
 from router.serve.auth import Tenant
 from router.serve.errors import OpenAIError
-from router.serve.ratelimit import RateLimiter, max_output_tokens, request_tokens
+from router.serve.ratelimit import (RateLimiter, context_tokens, max_output_tokens,
+                                    request_tokens)
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 
@@ -112,3 +114,40 @@ def test_a_requests_tokens_are_its_prompt_and_what_it_may_generate():
     assert max_output_tokens({"max_tokens": True}) == 0 and max_output_tokens({}) == 0
     assert request_tokens(1000, 100, 99999) == 1100
     assert request_tokens(0, 10, 4000) == 1010  # not tokenized: a token per 4 bytes
+    # no max_tokens: the engine may fill the context (vLLM's default), n times
+    assert request_tokens(1000, 0, 99999, context_tokens=4096) == 4096
+    assert request_tokens(1000, 0, 99999, context_tokens=4096, n=2) == 1000 + 2 * 3096
+    assert request_tokens(1000, 0, 99999) == 1000  # the context unknown: the prompt alone
+    assert request_tokens(1000, 100, 99999, context_tokens=4096) == 1100
+
+
+def test_the_context_length_is_max_model_len_or_the_models_own(tmp_path):
+    assert context_tokens(2048, None) == 2048
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 32768}')
+    assert context_tokens(None, str(tmp_path)) == 32768
+    assert context_tokens(1024, str(tmp_path)) == 1024
+    assert context_tokens(None, str(tmp_path / "none")) is None
+    (tmp_path / "config.json").write_text('[1]')
+    assert context_tokens(None, str(tmp_path)) is None
+
+
+async def test_a_request_without_max_tokens_is_charged_the_context_it_may_fill(model_dir):
+    """docs/security.md: a tenant's token limit counts the prompt plus the most the request
+    may generate; naming no ``max_tokens`` is no way around it."""
+    from router.config import Settings
+    from router.serve.ingress import IngressCore
+
+    core = IngressCore(Settings(model=str(model_dir), max_model_len=512), engine_handle=None)
+    assert core.context_tokens == 512
+    t = Tenant("t", tokens_per_minute=600)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    req = await core.prepare("/v1/chat/completions", json.dumps(body).encode(), None, t,
+                                None, None)
+    assert req.max_output_tokens == 0 and req.choices == 1
+    cost = request_tokens(req.prompt_tokens, req.max_output_tokens, len(req.body),
+                          core.context_tokens, req.choices)
+    assert cost == 512
+    await core.rate_limits.check(t, cost)
+    with pytest.raises(OpenAIError) as err:  # a second one does not fit the minute
+        await core.rate_limits.check(t, cost)
+    assert err.value.status == 429

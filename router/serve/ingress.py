@@ -60,7 +60,8 @@ from router.serve.dispatch import (
 from router.serve.engine_client import ENGINE_ERRORS, EngineClient
 from router.serve.errors import OpenAIError, bad_request, invalid_body, no_replicas
 from router.serve.protocol import ReplicaHead, RoutedRequest, route_label, server_timing
-from router.serve.ratelimit import RateLimiter, max_output_tokens, request_tokens
+from router.serve.ratelimit import (RateLimiter, choices, context_tokens, max_output_tokens,
+                                    request_tokens)
 from router.serve.schemas import SCHEMAS, validation_message
 
 logger = get_logger(__name__)
@@ -177,6 +178,8 @@ class IngressCore:
         self.rate_limits = RateLimiter(
             state.redis_connections(settings) if settings.redis_url else None,
             settings.index_namespace)
+        # for a request that names no max_tokens: the engine may fill the context
+        self.context_tokens = context_tokens(settings.max_model_len, settings.model)
         self._index = None  # made on first use, on the ingress's loop (a Redis client's own)
         self._routing = None  # the direct path's RoutingCore, likewise
         self._engine_client = None  # the direct path's pooled HTTP client, likewise
@@ -282,7 +285,7 @@ class IngressCore:
         session = session or (user if isinstance(user, str) and user else None)
         req = RoutedRequest(request_id=uuid.uuid4().hex, path=path, body=raw,
                             stream=bool(parsed.stream),
-                            max_output_tokens=max_output_tokens(body),
+                            max_output_tokens=max_output_tokens(body), choices=choices(body),
                             session_key=session_key(tenant.name if tenant else None, session)
                             if session else None)
         adapter = self.settings.adapter(body.get("model"))
@@ -465,7 +468,8 @@ class IngressCore:
         req.t_arrival = t_arrival
         route = route_label(path)
         await self.rate_limits.check(tenant, request_tokens(
-            req.prompt_tokens, req.max_output_tokens, len(req.body)))
+            req.prompt_tokens, req.max_output_tokens, len(req.body), self.context_tokens,
+            req.choices))
         interval = self.settings.sse_keepalive_s
         if not req.stream or interval is None:
             return await self._answer(req, attempt_cls, route, prio)

@@ -64,6 +64,7 @@ class RoutedRequest:
             on the first attempt only; all three travel in the ``server-timing`` header.
         max_output_tokens: the most the request may generate (``max_completion_tokens``
             or ``max_tokens``, times ``n``; 0 when it names none), for tenants' token limits.
+        choices: the completions it asks for (``n``), for the same.
         session_key: its session's key (``router.routing.sessions.session_key``), or None.
         lora_name: the LoRA adapter its ``model`` names (``Settings.lora_adapters``), or None.
         trace_headers: while tracing is on, the headers that carry the attempt's trace
@@ -89,6 +90,7 @@ class RoutedRequest:
     closed: bool = False
     t_arrival: float = 0.0
     max_output_tokens: int = 0
+    choices: int = 1
     session_key: str | None = None
     lora_name: str | None = None
     routing_s: float | None = None

@@ -3,7 +3,8 @@
 A tenant's limits come from its key in the keys document (``requests_per_minute``,
 ``tokens_per_minute``; ``router.serve.auth``). A request costs one request and its tokens
 as OpenAI counts them for its limits: the prompt's tokens plus the most it may generate
-(``max_completion_tokens`` or ``max_tokens``). It is checked before admission. Over a limit,
+(``max_completion_tokens`` or ``max_tokens``; for a request that names neither, the rest of
+the model's context, which the engine may fill). It is checked before admission. Over a limit,
 the answer is a 429 with ``Retry-After`` and OpenAI's ``x-ratelimit-*`` headers, and nothing
 is counted. The minute slides: two fixed windows, the previous one weighted by the share of
 it still inside the last 60 s (``lua/rate_limit.lua``, after Cloudflare's counting:
@@ -33,20 +34,33 @@ WINDOW_S = 60.0
 KINDS = ("requests", "tokens")
 
 
+def choices(body: dict[str, Any]) -> int:
+    """The completions a request asks for (``n``; 1 when absent or invalid)."""
+    n = body.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+
+
 def max_output_tokens(body: dict[str, Any]) -> int:
     """The most a request may generate: ``max_completion_tokens`` or ``max_tokens``, times
-    ``n``; 0 when it names neither (the engine's default then applies)."""
+    ``n``; 0 when it names neither (the engine's default then applies: ``request_tokens``
+    charges the rest of the context)."""
     out = body.get("max_completion_tokens") or body.get("max_tokens") or 0
     out = out if isinstance(out, int) and not isinstance(out, bool) and out > 0 else 0
-    n = body.get("n")
-    n = n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
-    return out * n
+    return out * choices(body)
 
 
-def request_tokens(prompt_tokens: int, output_tokens: int, body_bytes: int) -> int:
+def request_tokens(prompt_tokens: int, output_tokens: int, body_bytes: int,
+                   context_tokens: int | None = None, n: int = 1) -> int:
     """A request's tokens for its tenant's tokens-per-minute limit: its prompt's (when the
-    router did not tokenize it, one per 4 bytes of body) plus the most it may generate."""
-    return (prompt_tokens or body_bytes // 4) + output_tokens
+    router did not tokenize it, one per 4 bytes of body) plus the most it may generate:
+    ``output_tokens``, or when the request named no limit (0) and the model's context
+    length ``context_tokens`` is known, what is left of the context, ``n`` times (vLLM's
+    default ``max_tokens`` is at most the context left after the prompt: ``get_max_tokens``
+    in vLLM 0.32's ``vllm/entrypoints/serve/utils/api_utils.py``)."""
+    prompt = prompt_tokens or body_bytes // 4
+    if not output_tokens and context_tokens:
+        output_tokens = max(context_tokens - prompt, 0) * n
+    return prompt + output_tokens
 
 
 def _refused(tenant: Tenant, kind: str, limit: int, used: int, cost: int,
@@ -63,6 +77,23 @@ def _refused(tenant: Tenant, kind: str, limit: int, used: int, cost: int,
     return OpenAIError(429, f"Rate limit reached for tenant {tenant.name!r} on {kind} per "
                             f"minute: limit {limit}, used {used}, requested {cost}. Please "
                             f"try again in {wait}s.", "RateLimitError", headers=headers)
+
+
+def context_tokens(max_model_len: int | None, model_dir: str | None) -> int | None:
+    """The engines' context length in tokens: ``max_model_len`` when set, else the model's
+    ``max_position_embeddings`` (``config.json`` in ``model_dir``; vLLM's default
+    ``--max-model-len`` derives from it); None when neither is known."""
+    if max_model_len:
+        return max_model_len
+    try:
+        import json
+        from pathlib import Path
+
+        value = json.loads((Path(model_dir or "") / "config.json").read_text()).get(
+            "max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and value > 0 else None
 
 
 class MemoryRateLimiter:
