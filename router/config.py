@@ -8,6 +8,7 @@ documented in ``docs/configuration.md``.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -503,12 +504,40 @@ class Settings(BaseSettings):
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
         return tuple(sources)
 
+    @field_validator("max_model_len", "kv_cache_memory_gib", "max_num_seqs",
+                     "max_replicas_per_node", "load_factor", "index_shard_groups",
+                     "max_inflight_per_replica", "sse_keepalive_s", mode="before")
+    @classmethod
+    def _none_spelled_out(cls, v: Any) -> Any:
+        """An optional number's None as an environment variable can write it: ``none``,
+        ``null`` (any case) or empty (a variable holds text only)."""
+        if isinstance(v, str) and v.strip().lower() in ("", "none", "null"):
+            return None
+        return v
+
     @field_validator("block_size")
     @classmethod
     def _block_size_positive(cls, v: int) -> int:
         if v <= 0:
             raise ValueError("block_size must be positive")
         return v
+
+    @field_validator("autoscaling_config", mode="before")
+    @classmethod
+    def _autoscaling_values_from_text(cls, v: Any) -> Any:
+        """Values given one per variable (``PREFIX_ROUTER_AUTOSCALING_CONFIG__<KEY>``) come
+        as text: each is read as JSON where it parses (``4``, ``0.5``, ``true``)."""
+        if not isinstance(v, dict):
+            return v
+        out = {}
+        for key, value in v.items():
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    pass  # text it is (a policy's import path)
+            out[key] = value
+        return out
 
     @field_validator("autoscaling_config")
     @classmethod

@@ -32,7 +32,7 @@ def test_a_variable_that_names_no_setting_is_refused(monkeypatch):
     monkeypatch.delenv("PREFIX_ROUTER_NUM_REPLICA")
     # a nested field's variable and the config file's are settings' names
     monkeypatch.setenv("PREFIX_ROUTER_AUTOSCALING_CONFIG__MAX_REPLICAS", "3")
-    assert Settings().autoscaling_config == {"max_replicas": "3"}
+    assert Settings().autoscaling_config == {"max_replicas": 3}  # read as JSON
     monkeypatch.delenv("PREFIX_ROUTER_AUTOSCALING_CONFIG__MAX_REPLICAS")
     monkeypatch.setenv("prefix_router_port", "9000")  # a removed setting, any case
     with pytest.raises(ValidationError):
@@ -157,3 +157,23 @@ def test_extra_key_encoding_reaches_the_hasher(monkeypatch):
     assert salted[0] != salted[1]
     assert BlockHasher(old.hash_settings).block_hashes(ids) == \
         BlockHasher(new.hash_settings).block_hashes(ids)  # unsalted: the same
+
+
+@pytest.mark.parametrize("text", ["None", "null", ""])
+def test_an_optional_numbers_none_can_be_given_as_a_variable(monkeypatch, text):
+    """``sse_keepalive_s`` is on by default and None turns it off: a variable can say so."""
+    assert Settings().sse_keepalive_s is not None
+    monkeypatch.setenv("PREFIX_ROUTER_SSE_KEEPALIVE_S", text)
+    monkeypatch.setenv("PREFIX_ROUTER_MAX_INFLIGHT_PER_REPLICA", text)
+    s = Settings()
+    assert s.sse_keepalive_s is None and s.max_inflight_per_replica is None
+
+
+def test_autoscaling_given_one_key_per_variable(monkeypatch):
+    """``PREFIX_ROUTER_AUTOSCALING_CONFIG__<KEY>`` values come as text: read as JSON (it was
+    a TypeError at start, comparing '4' with 1)."""
+    monkeypatch.setenv("PREFIX_ROUTER_AUTOSCALING_CONFIG__MIN_REPLICAS", "1")
+    monkeypatch.setenv("PREFIX_ROUTER_AUTOSCALING_CONFIG__MAX_REPLICAS", "4")
+    s = Settings()
+    assert s.autoscaling_config == {"min_replicas": 1, "max_replicas": 4}
+    assert s.most_replicas == 4 and s.configured_replicas == 1
