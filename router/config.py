@@ -139,7 +139,8 @@ class Settings(BaseSettings):
         None, description="When the model directory lacks config.json, tokenizer.json or "
                           "tokenizer_config.json, generate a model "
                           "of this shape there first (config and tokenizer, as "
-                          "deploy/make_model.py does; the engines load dummy weights). The "
+                          "deploy/make_model.py does; the engines load dummy weights): "
+                          "tiny, qwen2.5-0.5b or qwen2.5-7b. The "
                           "default tiny model is always generated when missing.")
     max_num_seqs: Optional[int] = Field(None, description="vLLM --max-num-seqs.")
     extra_engine_args: list[str] = Field(default_factory=list,
@@ -254,8 +255,9 @@ class Settings(BaseSettings):
     redis_url: Optional[str] = Field(
         None, description="Redis URL for the shared index and load; none = in-process index.")
     redis_timeout_s: float = Field(
-        0.05, gt=0, description="Bound on one index round trip; beyond it routing falls back to "
-                                "load alone for that request.")
+        0.05, gt=0, description="Bound on one index round trip; beyond it that request is "
+                                "routed without the index (by this router's own recent "
+                                "decisions and load).")
     redis_warm_connections: int = Field(
         16, ge=0, description="Connections to Redis each ingress process opens at start-up "
                               "(and keeps: redis-py never closes an idle one), so that the "
@@ -371,8 +373,11 @@ class Settings(BaseSettings):
                                 "tokenizer runs without the GIL, so a burst of long prompts "
                                 "uses several cores while the event loop serves I/O). None: "
                                 "half the cores this process may run on, at most 4, and none "
-                                "below 4 cores. 0: render on the event loop, one request at a "
-                                "time (bodies over 1 MiB on asyncio's default threads).")
+                                "below 4 cores (the cores counted against a cgroup CPU "
+                                "quota too). 0: render on the event loop, one request at a "
+                                "time (bodies over 16 KiB on asyncio's default threads; "
+                                "under prefix_aware with a long prompt split into a head, "
+                                "only those over 1 MiB).")
     gc_freeze_at_start: bool = Field(
         True, description="Once an ingress process has started (its imports, tokenizer and "
                           "clients made), move every object it holds to Python's permanent "

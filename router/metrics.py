@@ -38,7 +38,8 @@ def _make() -> dict[str, Any]:
                             tag_keys=("route", "status")),
         "decisions": Counter("router_decision_total",
                              "Routing decisions by reason: cache (a prefix match won), load "
-                             "(no useful match; load decided), fallback (index unavailable).",
+                             "(no useful match; load decided), session (the session's pinned "
+                             "replica kept it), fallback (index unavailable).",
                              tag_keys=("reason", "policy")),
         "dispatched": Counter("router_dispatched_total",
                               "Requests dispatched to each replica (attempts, retries included).",
@@ -51,15 +52,19 @@ def _make() -> dict[str, Any]:
                           "Requests this router process has in flight on each replica.",
                           tag_keys=("replica",)),
         "prompt_tokens": Counter("router_prompt_tokens_total",
-                                 "Prompt tokens of answered requests (engine-reported).",
+                                 "Prompt tokens of answered requests whose usage the engine "
+                                 "reported (non-streamed, or streamed with "
+                                 "stream_options.include_usage).",
                                  tag_keys=("replica",)),
         "engine_cached_tokens": Counter(
             "router_engine_cached_tokens_total",
-            "usage.prompt_tokens_details.cached_tokens reported by the engines.",
+            "usage.prompt_tokens_details.cached_tokens reported by the engines (the same "
+            "requests as router_prompt_tokens_total).",
             tag_keys=("replica",)),
         "predicted_cached_tokens": Counter(
             "router_predicted_cached_tokens_total",
-            "Cached tokens the index predicted on the replica that served the request.",
+            "Cached tokens the index predicted on the replica that served the request (the "
+            "same requests as router_prompt_tokens_total).",
             tag_keys=("replica",)),
         "predicted_blocks": Counter(
             "router_selected_predicted_blocks_total",
@@ -162,7 +167,9 @@ def _make() -> dict[str, Any]:
             "Route scripts that missed the routing deadline (the request went by the "
             "fallback), settled once they answered, by outcome: same (it chose that replica "
             "too), moved (it chose another: its new predicted entries dropped, its lease "
-            "ended, the request's replica's entries written), lost (it failed or never "
+            "ended, the request's replica's entries written), held (it found a long "
+            "prompt's head held whole: nothing reserved, the request's replica's entries "
+            "written), lost (it failed or never "
             "answered), dropped (cut at the deadline: nothing undone), failed (a "
             "correction failed).", tag_keys=("outcome",)),
         "sessions": Counter("router_session_affinity_total",

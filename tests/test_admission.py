@@ -189,6 +189,9 @@ def test_priorities_are_integers_and_a_tenant_cannot_jump_its_tier():
         # an integer out of range is told the range (found by a new-user review)
         assert ("from -2147483647 to 2147483647" in err.value.body()["error"]["message"])
     assert parse_priority(str(2 ** 31 - 1)) == 2 ** 31 - 1
+    with pytest.raises(OpenAIError) as err:  # the operator's own header is the one named
+        resolve_priority("high", None, "x-tier")
+    assert err.value.param == "x-tier"
     assert resolve_priority(None, None) == 0 and resolve_priority("7", None) == 7
     gold, free = Tenant("gold", priority=0), Tenant("free", priority=10)
     assert resolve_priority(None, free) == 10 and resolve_priority("0", free) == 10

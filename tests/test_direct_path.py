@@ -106,8 +106,10 @@ async def test_a_body_broken_before_its_first_byte_is_retried_and_opens_the_circ
 
 async def test_two_broken_bodies_get_an_openai_502_not_a_500(core, engines):
     engines.broken = {"a", "b"}
-    r = await core.handle(COMPLETIONS_PATH, _body(), 0.0)
+    import time
+    r = await core.handle(COMPLETIONS_PATH, _body(), time.perf_counter())
     assert r.status_code == 502
+    assert r.headers["server-timing"].startswith("router;dur=")  # as every error answer
     err = json.loads(r.body)["error"]
     assert err["code"] == 502 and "engine replica failed" in err["message"], err
     assert all(v.inflight == 0 for v in (await core.load.loads(["a", "b"])).values())

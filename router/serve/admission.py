@@ -455,9 +455,9 @@ class Admission:
                 pass
 
 
-def parse_priority(value: str | None, default: int = 0) -> int:
-    """A request's priority from its header: an integer (lower first); ``default`` when
-    absent.
+def parse_priority(value: str | None, default: int = 0, header: str = "x-priority") -> int:
+    """A request's priority from its header (named ``header``, ``Settings.priority_header``):
+    an integer (lower first); ``default`` when absent.
 
     Raises:
         OpenAIError: 400 naming the header, for a value that is not an integer within
@@ -472,5 +472,5 @@ def parse_priority(value: str | None, default: int = 0) -> int:
     if p is None or abs(p) >= 2 ** 31:
         raise OpenAIError(400, f"priority must be an integer from {-(2 ** 31) + 1} to "
                                f"{2 ** 31 - 1} (lower is served first), not {value[:40]!r}",
-                          "BadRequestError", "x-priority")
+                          "BadRequestError", header)
     return p

@@ -57,7 +57,7 @@ class KeyEntry(BaseModel):
                         description="SHA-256 of the key's UTF-8 bytes, lowercase hex.")
     tenant: str = Field(min_length=1, max_length=128, description="The tenant the key is.")
     admin: bool = Field(False, description="May call the operator endpoints (/replicas, "
-                                           "/metrics).")
+                                           "/metrics, /admin/...).")
     cache_group: Optional[str] = Field(
         None, min_length=1, max_length=128,
         description="Tenants of one group share their prefix cache on purpose; default: the "

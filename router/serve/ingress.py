@@ -453,7 +453,7 @@ class IngressCore:
         if self.warmup is not None:
             self.warmup.start()
         attempt_cls = self._attempt_class(data_path)
-        prio = resolve_priority(priority, tenant)
+        prio = resolve_priority(priority, tenant, self.settings.priority_header)
         t_prepare = time.perf_counter()
         with tracing.span("prepare") as span:
             req = await self.prepare(path, raw, policy, tenant, prio, session)
@@ -544,7 +544,8 @@ class IngressCore:
                          head.error)
             err = OpenAIError(head.status, head.error, "ServiceUnavailableError"
                               if head.status == 503 else "InternalServerError")
-            return JSONResponse(err.body(), status_code=head.status)
+            return JSONResponse(err.body(), status_code=head.status, headers=err.response_headers(
+                time.perf_counter() - req.t_arrival if req.t_arrival else None))
         return self._respond(dispatch, head, body)
 
     def _attempt_class(self, data_path: str | None) -> type[Attempt]:
@@ -716,15 +717,16 @@ class IngressCore:
             await asyncio.sleep(0.05)
 
 
-def resolve_priority(header: str | None, tenant: Tenant | None) -> int:
-    """A request's priority (lower first): its header's, else its tenant's; a tenant's
-    request cannot go ahead of its tenant's own priority.
+def resolve_priority(header: str | None, tenant: Tenant | None,
+                     name: str = "x-priority") -> int:
+    """A request's priority (lower first): its header's (``name``), else its tenant's; a
+    tenant's request cannot go ahead of its tenant's own priority.
 
     Raises:
         OpenAIError: 400 for a header that is not an integer.
     """
     floor = tenant.priority if tenant is not None else None
-    p = parse_priority(header, floor if floor is not None else 0)
+    p = parse_priority(header, floor if floor is not None else 0, name)
     return max(p, floor) if floor is not None else p
 
 
