@@ -426,8 +426,11 @@ async def test_the_services_factories_build_the_cluster_mode(redis_cluster):
     from router.serve import state
 
     ns = f"t-{uuid.uuid4().hex[:8]}"
+    # a deadline a busy machine's Redis meets: a late first script would settle after the
+    # second decision and move the first request's predicted entries meanwhile
     settings = Settings(redis_url=redis_cluster.url, redis_cluster=True, index_shard_groups=4,
-                        index_group_load_factor=1.5, index_namespace=ns, block_size=BS)
+                        index_group_load_factor=1.5, index_namespace=ns, block_size=BS,
+                        redis_timeout_s=2.0)
     core = state.make_routing_core(settings, PrefixAware(random.Random(0)))
     assert core.index.conn.cluster and core.index.groups.count == 4
     assert core.atomic.first_level.load_factor == 1.5
