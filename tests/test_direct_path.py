@@ -296,3 +296,44 @@ async def test_another_key_layout_in_the_namespace_routes_by_load_then_the_index
         for key in admin.scan_iter(match=f"{ns}:*"):
             admin.delete(key)
         admin.close()
+
+
+async def test_an_answer_does_not_wait_for_a_release_that_a_hanging_redis_holds(
+        model_dir, engines, own_redis):
+    """An operator's review: with Redis paused, every answer that is not streamed came
+    2 s late, the release's maintenance timeout (the body is sent after the attempt
+    closes). The answer now waits for the release at most the routing deadline; the
+    release is taken in the background once Redis answers."""
+    import asyncio
+    import uuid
+
+    import redis as sync_redis
+
+    from router.index.redis import RedisConnections
+
+    infos = tuple(ReplicaInfo(r, {"engine_url": engines.urls[r]}, {"engine_alive": True})
+                  for r in ("a", "b"))
+    state.put("replica_infos", infos)
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    c = IngressCore(Settings(model=str(model_dir), index_namespace=ns, policy="round_robin",
+                             redis_url=own_redis.url), engine_handle=None)
+    admin = sync_redis.Redis.from_url(own_redis.url)
+    try:
+        assert (await c.handle(COMPLETIONS_PATH, _body(), time.perf_counter())
+                ).status_code == 200
+        admin.execute_command("CLIENT", "PAUSE", 3000, "WRITE")
+        t0 = time.perf_counter()
+        r = await c.handle(COMPLETIONS_PATH, _body(), time.perf_counter())
+        waited = time.perf_counter() - t0
+        assert r.status_code == 200
+        assert waited < RedisConnections.MAINTENANCE_TIMEOUT_S, waited
+        for _ in range(100):  # the pause ends: the release is taken, no lease is left
+            await asyncio.sleep(0.1)
+            if not admin.hlen(f"{ns}:leases"):
+                break
+        assert admin.hlen(f"{ns}:leases") == 0, admin.hgetall(f"{ns}:leases")
+    finally:
+        admin.execute_command("CLIENT", "UNPAUSE")
+        await c.engine_client().close()
+        await c.load.close()
+        state.put("replica_infos", None)

@@ -21,7 +21,7 @@ from starlette.requests import ClientDisconnect
 
 from router import metrics, tracing
 from router.logs import get_logger
-from router.routing.core import route_request
+from router.routing.core import release_soon, route_request
 from router.serve.engine_client import ENGINE_ERRORS
 from router.serve.errors import OpenAIError, no_replicas
 from router.serve.protocol import ReplicaHead, RoutedRequest
@@ -255,7 +255,12 @@ class Attempt:
             if not self.exhausted:
                 await self._abort()
         finally:
-            await self.core.load.release(self.req.request_id)
+            # the answer (a whole body is sent after this) waits for the release at most
+            # the routing deadline: a Redis that hangs takes it in the background, where it
+            # is kept and retried until taken (LoadTracker.release), instead of holding every
+            # answer for the maintenance timeout (2 s: an operator's review, CLIENT PAUSE)
+            release = release_soon(self.core.load, self.req.request_id)
+            await asyncio.wait((release,), timeout=self.core.settings.redis_timeout_s)
             self.core.admission.released(self.req.request_id)  # a waiting request may take it
         refused = self.head is None or self.head.status >= 400
         if (refused or self.failed) and self.replica:  # the engine may not hold the prefix
