@@ -6,7 +6,7 @@
 # PREFIX_ROUTER_REDIS_URL=redis://127.0.0.1:6379/0 bash deploy/run.sh
 # START_REDIS=1 starts a redis-server (on 127.0.0.1:${REDIS_PORT:-6379}, no persistence) beside
 # the service, unless one answers there already, and points the router at it (a config's own
-# redis_url must name the same address); it stops with the service (same process group).
+# redis_url must name the same address); it stops with the service (however the service stops).
 # HA_PROXY=1 puts Ray Serve's HAProxy mode in front (RAY_SERVE_ENABLE_HA_PROXY: HAProxy takes
 # the HTTP port and forwards to ingress replicas that serve HTTP themselves, which skips Serve's
 # proxy hop: 15.6 -> 6.6 ms of router overhead on an H200 host, docs/benchmarks.md). It is on
@@ -37,6 +37,14 @@ if [ -n "${START_REDIS:-}" ]; then
     if ! redis-cli -p "$rport" ping >/dev/null 2>&1; then
         redis-server --bind 127.0.0.1 --port "$rport" --save '' --appendonly no \
             --loglevel warning &
+        redis_pid=$!
+        # it stops with the service however `serve run` (this pid, below) ends, a signal to
+        # that process alone included: a watcher, started as the readiness one is (below),
+        # stops it once this pid is gone (a signal to the process group stops both at once)
+        ( (
+            while kill -0 $$ 2>/dev/null; do sleep 1; done
+            kill "$redis_pid" 2>/dev/null
+        ) & )
     fi
     export PREFIX_ROUTER_REDIS_URL=${PREFIX_ROUTER_REDIS_URL:-redis://127.0.0.1:$rport/0}
 fi

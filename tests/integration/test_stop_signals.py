@@ -94,6 +94,38 @@ def test_a_signal_to_the_run_commands_process_group_leaves_no_process(tmp_path, 
         _stop(proc, sig, before)
 
 
+def test_a_sigterm_to_the_run_command_alone_stops_the_redis_it_started(tmp_path):
+    """``START_REDIS=1``: the redis-server started beside the service stops with it when
+    only the command's own process gets the SIGTERM (``kill <pid>``; an operator's review
+    found it left running, reparented to init, and a later start would reuse its keys)."""
+    before = {int(line.split()[0]) for line in _ours(set())}
+    rport = free_port()
+
+    def redis_running() -> bool:
+        out = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True,
+                             text=True).stdout
+        return any(line.startswith("redis-server") and f":{rport}" in line
+                   for line in out.splitlines())
+
+    proc, _ = _start(tmp_path, START_REDIS="1", REDIS_PORT=str(rport))
+    try:
+        assert redis_running()
+        proc.send_signal(signal.SIGTERM)  # the command's pid alone, not its group
+        proc.wait(120)
+        wait_until(lambda: not redis_running() and not _ours(before), 60, 1.0,
+                   "the service and its redis-server gone after a SIGTERM to its pid")
+    finally:
+        if proc.poll() is None or _ours(before) or redis_running():
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            for line in _ours(before):
+                os.kill(int(line.split()[0]), signal.SIGKILL)
+            subprocess.run(["redis-cli", "-p", str(rport), "shutdown", "nosave"],
+                           capture_output=True)
+
+
 def test_the_stop_command_lets_a_stream_in_flight_finish(tmp_path):
     """Found by a new user's trial: Ctrl-C cut a stream in flight (Serve kills its HTTP
     proxies first). ``python -m deploy.stop`` deletes the application instead: the stream
