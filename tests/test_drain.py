@@ -75,6 +75,35 @@ async def test_the_redis_set_is_shared_by_routers_and_read_at_most_every_refresh
         await b.conn.close()
 
 
+async def test_a_redis_that_lost_the_set_gets_it_back_and_an_undrain_is_kept(own_redis):
+    """An operator's review: a Redis restart without persistence forgot every drain, and
+    the drained replica took traffic again, silently. A router that finds the set gone
+    whole (its marker too) writes its copy back; a set emptied by undrains keeps its
+    marker and is left empty."""
+    ns = f"test-drain-{uuid.uuid4().hex[:6]}"
+    a = DrainedReplicas(RedisConnections(own_redis.url, 1.0), ns, refresh_s=0.0)
+    b = DrainedReplicas(RedisConnections(own_redis.url, 1.0), ns, refresh_s=0.0)
+    try:
+        assert await a.set("A", True) == {"A"} and await a.set("B", True) == {"A", "B"}
+        assert await b.refresh() == {"A", "B"}
+        await a.conn.close()
+        await b.conn.close()
+        own_redis.stop()
+        own_redis.restart()  # empty: no persistence
+        assert own_redis.client().exists(f"{ns}:drained") == 0
+        assert await b.refresh() == {"A", "B"}  # restored from b's copy
+        fresh = DrainedReplicas(RedisConnections(own_redis.url, 1.0), ns, refresh_s=0.0)
+        assert await fresh.refresh() == {"A", "B"}  # every router sees it again
+        await fresh.conn.close()
+        assert await a.set("A", False) == {"B"} and await a.set("B", False) == frozenset()
+        assert await b.refresh() == frozenset()  # undrained: not brought back
+        assert await b.refresh() == frozenset()
+        assert own_redis.client().smembers(f"{ns}:drained") == {b""}  # the marker alone
+    finally:
+        await a.conn.close()
+        await b.conn.close()
+
+
 async def test_a_failed_read_keeps_the_last_copy_and_a_failed_write_raises():
     from router.index.base import IndexUnavailable
 

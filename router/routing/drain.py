@@ -7,6 +7,13 @@ left (a request is never refused for it; ``RoutingCore.candidates_of``). The set
 router reads it, at most ``refresh_s`` old), else in this process (with one ingress
 process; several without Redis do not share it: ``drain`` then reaches only the process
 that took the call, and the admin API says so).
+
+The Redis set keeps a marker member (the empty string: no replica id is empty) from the
+first drain on, so that a set gone whole tells a Redis that lost its data (a restart
+without persistence, a failover, a flush) from an undrain of the last replica: a router
+that finds it gone writes its last copy back (within ``refresh_s``; logged), so a replica
+under maintenance does not take traffic again because Redis restarted. To clear every
+drain, undrain each replica.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ class DrainedReplicas:
         self.key = RedisKeys(namespace).drained
         self.refresh_s = refresh_s
         self._ids: frozenset[str] = frozenset()
+        self._marked = False  # the last read found the marker: the set existed in Redis
         self._read_at = -math.inf
 
     @property
@@ -58,8 +66,22 @@ class DrainedReplicas:
         except IndexUnavailable as exc:
             logger.debug("drained replicas not read (%s); using the last copy", exc)
             return self._ids
-        self._ids = frozenset(m.decode() if isinstance(m, bytes) else m for m in members)
+        got = {m.decode() if isinstance(m, bytes) else m for m in members}
+        if not got and self._marked and self._ids:  # the whole set gone: Redis lost it
+            ids = self._ids
+            try:
+                await self.conn.call(lambda c: c.sadd(self.key, self.MARK, *ids))
+            except IndexUnavailable as exc:
+                logger.debug("drained replicas not restored yet (%s)", exc)
+                return self._ids
+            logger.warning("the drained replicas' set was gone from Redis (a restart or a "
+                           "flush?): restored this router's copy, %s", sorted(ids))
+            return self._ids
+        self._marked = self.MARK in got
+        self._ids = frozenset(got - {self.MARK})
         return self._ids
+
+    MARK = ""  # the marker member: no replica id is empty
 
     async def set(self, replica: str, drained: bool) -> frozenset[str]:
         """Drain (``drained``) or undrain ``replica``; returns the new set.
@@ -68,9 +90,11 @@ class DrainedReplicas:
             IndexUnavailable: Redis did not take it (nothing changed).
         """
         if self.conn is not None:
-            op = "sadd" if drained else "srem"
-            await self.conn.call(lambda c: getattr(c, op)(self.key, replica),
-                                 maintenance=True)
+            if drained:  # the marker with the first drain (see the module's docstring)
+                call = lambda c: c.sadd(self.key, self.MARK, replica)  # noqa: E731
+            else:
+                call = lambda c: c.srem(self.key, replica)  # noqa: E731
+            await self.conn.call(call, maintenance=True)
             self._read_at = -math.inf
             return await self.refresh()
         self._ids = self._ids | {replica} if drained else self._ids - {replica}
