@@ -221,6 +221,25 @@ async def test_index_outage_keeps_a_conversation_where_this_router_sent_it():
     assert d3.reason == "fallback" and d3.replica != d1.replica  # a new prefix: by load
 
 
+async def test_an_outage_is_logged_once_at_each_end(caplog):
+    """An operator's review: the outage's start was logged, its end was not."""
+    index = _FlakyIndex()
+    core, clock = make_core(index=index)
+    index.down = True
+    with caplog.at_level("WARNING", logger="router"):
+        for i in range(3):
+            assert (await core.decide(f"d{i}", 700, hashes(i, 20), replicas("A", "B"))
+                    ).reason == "fallback"
+        index.down = False
+        for i in range(3):
+            assert (await core.decide(f"u{i}", 700, hashes(i, 20), replicas("A", "B"))
+                    ).reason != "fallback"
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("prefix index unavailable" in m for m in lines) == 1, lines
+    assert sum("prefix index available again" in m for m in lines) == 1, lines
+    assert core.index_available
+
+
 async def test_replica_with_other_hash_settings_is_excluded():
     core, clock = make_core()
     bad = ReplicaInfo("B", {"hash_algo": "sha256_cbor", "block_size": 32, "seed": "0",

@@ -282,8 +282,9 @@ class RedisConnections:
                     await self.layout.ensure(client)
                 return await coro_fn(client, *args)
         except (RedisError, RedisClusterException, OSError, asyncio.TimeoutError) as exc:
-            raise IndexUnavailable(f"redis at {self.shown_url}: {type(exc).__name__}: "
-                                   f"{exc}") from exc
+            detail = f": {exc}" if str(exc) else ""  # a timeout's message is empty
+            raise IndexUnavailable(f"redis at {self.shown_url}: {type(exc).__name__}"
+                                   f"{detail}") from exc
 
     def routing_limit(self) -> RoutingCallLimit:
         """This event loop's bound on routing calls in flight (``RoutingCallLimit``)."""

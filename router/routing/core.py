@@ -101,7 +101,7 @@ class RoutingCore:
         self.sessions = sessions
         self.shadow = shadow
         self.drains = drains
-        self.index_available = True
+        self._index_available = True
         self.recent = RecentDecisions(load.clock)
         self._outputs: collections.deque[int] = collections.deque(maxlen=1000)
         self._outputs_sum = 0
@@ -666,6 +666,18 @@ class RoutingCore:
             await self.drains.forget(replica)
         if self.health is not None:
             self.health.forget(replica)
+
+    @property
+    def index_available(self) -> bool:
+        """Whether the last index call succeeded (a failure logs a warning once, and its
+        return logs once: an operator sees both ends of an outage)."""
+        return self._index_available
+
+    @index_available.setter
+    def index_available(self, value: bool) -> None:
+        if value and not self._index_available:
+            logger.warning("prefix index available again: routing with it")
+        self._index_available = value
 
     def _index_error(self, exc: Exception, op: str) -> None:
         if isinstance(exc, IndexBusy):  # not sent: Redis is slow, not gone (no flip, no log)
