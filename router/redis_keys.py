@@ -332,11 +332,12 @@ def load_lua(name: str) -> str:
 class Scripts:
     """The router's Lua scripts registered on one client (``redis.asyncio.Redis``), by
     name: ``route``, ``lease``, ``record_predicted``, ``apply_events``, ``rate_limit``,
-    ``layout``.
+    ``layout``, ``drained``.
     Registering sends nothing; the first call loads a script (``EVALSHA``, then ``EVAL``
     on a miss)."""
 
-    NAMES = ("route", "lease", "record_predicted", "apply_events", "rate_limit", "layout")
+    NAMES = ("route", "lease", "record_predicted", "apply_events", "rate_limit", "layout",
+             "drained")
     _sources: dict[str, str] = {}
     route: Any  # redis.commands.core.AsyncScript, each
     lease: Any
@@ -344,6 +345,7 @@ class Scripts:
     apply_events: Any
     rate_limit: Any
     layout: Any
+    drained: Any
 
     def __init__(self, client):
         for name in self.NAMES:

@@ -78,17 +78,16 @@ async def test_the_redis_set_is_shared_by_routers_and_read_at_most_every_refresh
 async def test_a_redis_that_lost_the_set_gets_it_back_and_an_undrain_is_kept(own_redis):
     """An operator's review: a Redis restart without persistence forgot every drain, and
     the drained replica took traffic again, silently. A router that finds the set gone
-    whole (its marker too) writes its copy back; a set emptied by undrains keeps its
-    marker and is left empty."""
+    whole (its marker too) writes its recent copy back; a set emptied by undrains keeps
+    its marker and is left empty."""
     ns = f"test-drain-{uuid.uuid4().hex[:6]}"
     a = DrainedReplicas(RedisConnections(own_redis.url, 1.0), ns, refresh_s=0.0)
     b = DrainedReplicas(RedisConnections(own_redis.url, 1.0), ns, refresh_s=0.0)
     try:
         assert await a.set("A", True) == {"A"} and await a.set("B", True) == {"A", "B"}
         assert await b.refresh() == {"A", "B"}
-        await a.conn.close()
-        await b.conn.close()
         own_redis.stop()
+        assert await b.refresh() == {"A", "B"}  # Redis down: the last copy (read failed)
         own_redis.restart()  # empty: no persistence
         assert own_redis.client().exists(f"{ns}:drained") == 0
         assert await b.refresh() == {"A", "B"}  # restored from b's copy
@@ -99,6 +98,33 @@ async def test_a_redis_that_lost_the_set_gets_it_back_and_an_undrain_is_kept(own
         assert await b.refresh() == frozenset()  # undrained: not brought back
         assert await b.refresh() == frozenset()
         assert own_redis.client().smembers(f"{ns}:drained") == {b""}  # the marker alone
+    finally:
+        await a.conn.close()
+        await b.conn.close()
+
+
+async def test_a_change_sent_while_the_set_is_lost_restores_it_first(own_redis):
+    """A review of the restore: an undrain or a drain sent through a router while Redis has
+    lost the set must neither bring the undrained replica back nor erase the others'
+    drains; and a copy read long before the loss (another router may have undrained since)
+    is not written back."""
+    ns = f"test-drain-{uuid.uuid4().hex[:6]}"
+    admin = own_redis.client()
+    a = DrainedReplicas(RedisConnections(own_redis.url, 1.0), ns, refresh_s=0.0)
+    b = DrainedReplicas(RedisConnections(own_redis.url, 1.0), ns, refresh_s=0.0)
+    try:
+        assert await a.set("X", True) == {"X"}
+        admin.delete(f"{ns}:drained")  # lost (a flush)
+        assert await a.set("X", False) == frozenset()  # the undrain is kept
+        assert admin.smembers(f"{ns}:drained") == {b""}
+        assert await a.set("X", True) == {"X"}
+        admin.delete(f"{ns}:drained")
+        assert await a.set("Y", True) == {"X", "Y"}  # X's drain restored, not erased
+        assert await b.refresh() == {"X", "Y"}
+        b._read_ok_at -= 60  # b's copy is a minute old when the loss shows
+        admin.delete(f"{ns}:drained")
+        assert await b.refresh() == frozenset()  # not trusted: not written back
+        assert await a.refresh() == {"X", "Y"}  # a's recent copy is
     finally:
         await a.conn.close()
         await b.conn.close()

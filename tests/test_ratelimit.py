@@ -112,6 +112,10 @@ def test_a_requests_tokens_are_its_prompt_and_what_it_may_generate():
     assert max_output_tokens({"max_tokens": 100}) == 100
     assert max_output_tokens({"max_completion_tokens": 50, "max_tokens": 9, "n": 3}) == 150
     assert max_output_tokens({"max_tokens": True}) == 0 and max_output_tokens({}) == 0
+    # /v1/completions: vLLM's default max_tokens is 16 (an explicit null: the context)
+    assert max_output_tokens({"n": 2}, completions=True) == 32
+    assert max_output_tokens({"max_tokens": None}, completions=True) == 0
+    assert max_output_tokens({"max_tokens": 5}, completions=True) == 5
     assert request_tokens(1000, 100, 99999) == 1100
     assert request_tokens(0, 10, 4000) == 1010  # not tokenized: a token per 4 bytes
     # no max_tokens: the engine may fill the context (vLLM's default), n times

@@ -180,6 +180,11 @@ class IngressCore:
             settings.index_namespace)
         # for a request that names no max_tokens: the engine may fill the context
         self.context_tokens = context_tokens(settings.max_model_len, settings.model)
+        if self.context_tokens is None:
+            logger.info("the model's context length is unknown (no max_model_len, no "
+                        "max_position_embeddings in %s/config.json): a chat request without "
+                        "max_tokens is charged its prompt alone against a tenant's "
+                        "tokens_per_minute", settings.model)
         self._index = None  # made on first use, on the ingress's loop (a Redis client's own)
         self._routing = None  # the direct path's RoutingCore, likewise
         self._engine_client = None  # the direct path's pooled HTTP client, likewise
@@ -285,7 +290,9 @@ class IngressCore:
         session = session or (user if isinstance(user, str) and user else None)
         req = RoutedRequest(request_id=uuid.uuid4().hex, path=path, body=raw,
                             stream=bool(parsed.stream),
-                            max_output_tokens=max_output_tokens(body), choices=choices(body),
+                            max_output_tokens=max_output_tokens(
+                                body, completions=path == COMPLETIONS_PATH),
+                            choices=choices(body),
                             session_key=session_key(tenant.name if tenant else None, session)
                             if session else None)
         adapter = self.settings.adapter(body.get("model"))

@@ -40,10 +40,18 @@ def choices(body: dict[str, Any]) -> int:
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
 
 
-def max_output_tokens(body: dict[str, Any]) -> int:
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM 0.32 CompletionRequest.max_tokens's default
+# (vllm/entrypoints/openai/completion/protocol.py; OpenAI's legacy completions say 16 too)
+
+
+def max_output_tokens(body: dict[str, Any], completions: bool = False) -> int:
     """The most a request may generate: ``max_completion_tokens`` or ``max_tokens``, times
-    ``n``; 0 when it names neither (the engine's default then applies: ``request_tokens``
-    charges the rest of the context)."""
+    ``n``; for a ``/v1/completions`` request (``completions``) that names neither,
+    ``COMPLETIONS_DEFAULT_MAX_TOKENS``, the engine's default; else 0 when it names none (a
+    chat request, or a completion's explicit null: the engine may fill the context, and
+    ``request_tokens`` charges the rest of it)."""
+    if completions and "max_tokens" not in body and "max_completion_tokens" not in body:
+        return COMPLETIONS_DEFAULT_MAX_TOKENS * choices(body)
     out = body.get("max_completion_tokens") or body.get("max_tokens") or 0
     out = out if isinstance(out, int) and not isinstance(out, bool) and out > 0 else 0
     return out * choices(body)
