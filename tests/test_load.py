@@ -286,3 +286,34 @@ async def test_two_moves_of_one_request_at_once_move_its_count_once(load):
     assert (await _load(load, "A")).placements == pytest.approx(1.0)
     assert (await _load(load, "C")).placements == pytest.approx(1.0)
     await load.release("q")
+
+
+async def test_a_release_in_flight_is_left_out_of_the_loads_read_meanwhile(own_redis):
+    """A review: the answer no longer waits for a slow Redis to take the release, so a
+    release still in flight must not count as load in the decisions made meanwhile (the
+    same client's next turn would see its replica busier than it is)."""
+    import asyncio
+
+    import redis as sync_redis
+
+    from router.index.redis import RedisConnections
+
+    conn = RedisConnections(own_redis.url, 0.05)
+    t = RedisLoadTracker(conn, f"test-load-{uuid.uuid4().hex[:8]}")
+    admin = sync_redis.Redis.from_url(own_redis.url)
+    try:
+        await conn.open_connections(4)  # before the pause (a handshake then would fail)
+        await t.reserve("r", "A", 100)
+        assert (await t.loads(["A"]))["A"].inflight == 1
+        admin.execute_command("CLIENT", "PAUSE", 500, "WRITE")  # reads still answer
+        release = asyncio.ensure_future(t.release("r"))
+        await asyncio.sleep(0.1)
+        assert not release.done()  # the release waits for the pause
+        seen = (await t.loads(["A"]))["A"]
+        assert seen.inflight == 0 and seen.prefill_tokens == 0, seen
+        await release
+        assert (await t.loads(["A"]))["A"].inflight == 0 and not t.pending_releases
+    finally:
+        admin.execute_command("CLIENT", "UNPAUSE")
+        await t.close()
+        await conn.close()

@@ -387,12 +387,15 @@ class RedisLoadTracker(LoadTracker):
             return  # with groups: no lease of this router for the id, in any group
         if self.groups.tagged:
             self._release_group[request_id] = self._lease_group.pop(request_id)
+        # pending from now until Redis takes it: the loads read meanwhile leave the
+        # request out (``_correct``), as they do after a failed release, so that an answer
+        # sent before a slow Redis took the release is not counted as load
+        self._unreleased[request_id] = owner
+        if held is not None:
+            self._stale[request_id] = held
         try:
             await self._release(request_id, owner)
         except IndexUnavailable:
-            self._unreleased[request_id] = owner
-            if held is not None:
-                self._stale[request_id] = held
             self.ensure_heartbeat()
 
     async def _release(self, request_id: str, owner: str) -> None:

@@ -118,6 +118,7 @@ class Attempt:
         self.started_body = False
         self.exhausted = False
         self.closed = False
+        self.release_task: asyncio.Task | None = None  # the lease's release, from close
         self.failed = False  # the engine's answer broke before its end
         self.scanner = UsageScanner(req.stream)
 
@@ -259,9 +260,13 @@ class Attempt:
             # the routing deadline: a Redis that hangs takes it in the background, where it
             # is kept and retried until taken (LoadTracker.release), instead of holding every
             # answer for the maintenance timeout (2 s: an operator's review, CLIENT PAUSE)
-            release = release_soon(self.core.load, self.req.request_id)
+            rid = self.req.request_id
+            release = self.release_task = release_soon(self.core.load, rid)
+            # when Redis takes it (late), the queue looks again: its count fell only then
+            release.add_done_callback(lambda t: t.cancelled() or t.exception() is not None
+                                      or self.core.admission.released(rid))
             await asyncio.wait((release,), timeout=self.core.settings.redis_timeout_s)
-            self.core.admission.released(self.req.request_id)  # a waiting request may take it
+            self.core.admission.released(rid)  # a waiting request may take it
         refused = self.head is None or self.head.status >= 400
         if (refused or self.failed) and self.replica:  # the engine may not hold the prefix
             await self.core.forget_predictions(self.req, self.replica)

@@ -544,6 +544,10 @@ class IngressCore:
             if dispatch.replica:
                 req.excluded_replicas.append(dispatch.replica)
             await dispatch.close()
+            if dispatch.release_task is not None:  # the retry reserves the same request
+                # id: its first lease released first (a slow Redis's release in flight
+                # would overlap the new reservation's bookkeeping)
+                await asyncio.wait((dispatch.release_task,))
             return None
         if head.error:  # no engine answer to pass on
             await dispatch.close()
