@@ -511,7 +511,8 @@ class Settings(BaseSettings):
 
     @field_validator("max_model_len", "kv_cache_memory_gib", "max_num_seqs",
                      "max_replicas_per_node", "load_factor", "index_shard_groups",
-                     "max_inflight_per_replica", "sse_keepalive_s", mode="before")
+                     "max_inflight_per_replica", "sse_keepalive_s", "render_threads",
+                     mode="before")
     @classmethod
     def _none_spelled_out(cls, v: Any) -> Any:
         """An optional number's None as an environment variable can write it: ``none``,
@@ -549,7 +550,9 @@ class Settings(BaseSettings):
     def _autoscaling_config_valid(cls, v: Optional[dict[str, Any]]):
         if v is not None:  # Serve's own model: its error names the bad key
             from router.serve.autoscaling import engine_autoscaling_config
-            engine_autoscaling_config(v)
+            parsed = engine_autoscaling_config(v)
+            # the values as Serve parsed them (a variable's "2" is 2), the policy as given
+            v = {k: (x if k == "policy" else getattr(parsed, k)) for k, x in v.items()}
         return v
 
     @property

@@ -165,15 +165,17 @@ def test_an_optional_numbers_none_can_be_given_as_a_variable(monkeypatch, text):
     assert Settings().sse_keepalive_s is not None
     monkeypatch.setenv("PREFIX_ROUTER_SSE_KEEPALIVE_S", text)
     monkeypatch.setenv("PREFIX_ROUTER_MAX_INFLIGHT_PER_REPLICA", text)
+    monkeypatch.setenv("PREFIX_ROUTER_RENDER_THREADS", text)
     s = Settings()
     assert s.sse_keepalive_s is None and s.max_inflight_per_replica is None
+    assert s.render_threads is None
 
 
 def test_autoscaling_given_one_key_per_variable(monkeypatch):
     """``PREFIX_ROUTER_AUTOSCALING_CONFIG__<KEY>`` values come as text: read as JSON (it was
     a TypeError at start, comparing '4' with 1)."""
     monkeypatch.setenv("PREFIX_ROUTER_AUTOSCALING_CONFIG__MIN_REPLICAS", "1")
-    monkeypatch.setenv("PREFIX_ROUTER_AUTOSCALING_CONFIG__MAX_REPLICAS", "4")
+    monkeypatch.setenv("PREFIX_ROUTER_AUTOSCALING_CONFIG__MAX_REPLICAS", '"4"')  # quoted
     s = Settings()
     assert s.autoscaling_config == {"min_replicas": 1, "max_replicas": 4}
     assert s.most_replicas == 4 and s.configured_replicas == 1

@@ -192,7 +192,10 @@ class RedisConnections:
         self.connection_kwargs = dict(connection_kwargs or {})
         self.cluster = cluster
         self.shown_url = redact_url(url)  # for messages: never the password
-        self._clients: dict[tuple[int, float], Any] = {}
+        # per event loop, held weakly (a loop that ends without ``close`` takes its clients
+        # along: a later loop that gets its id must not get a client bound to it), then
+        # per connect timeout
+        self._clients: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._topology_reads: dict[int, asyncio.Future] = {}  # cluster client id -> read
         self._late: set[asyncio.Future] = set()  # calls left running (call_or_leave)
         # per event loop (routing calls), held weakly: a loop closed without ``close`` takes
@@ -215,8 +218,10 @@ class RedisConnections:
         reserve a replica and open an engine call that nobody would close.
         """
         t = timeout_s or self.timeout_s
-        key = (id(asyncio.get_running_loop()), t)
-        c = self._clients.get(key)
+        mine = self._clients.get(asyncio.get_running_loop())
+        if mine is None:
+            mine = self._clients[asyncio.get_running_loop()] = {}
+        c = mine.get(t)
         if c is None:
             if self.cluster:
                 from redis.asyncio.cluster import RedisCluster
@@ -233,7 +238,7 @@ class RedisConnections:
                     **self.connection_kwargs)
                 pool = c.connection_pool
                 pool.connection_class = hiredis_packed(pool.connection_class)
-            self._clients[key] = c
+            mine[t] = c
         return c
 
     async def call(self, coro_fn, *args: Any, maintenance: bool = False,
@@ -421,9 +426,7 @@ class RedisConnections:
         if self.layout is not None:
             self.layout.cancel()
         self._limits.pop(running, None)  # a closed loop's calls start afresh elsewhere
-        loop = id(running)
-        for key in [k for k in self._clients if k[0] == loop]:
-            client = self._clients.pop(key)
+        for client in (self._clients.pop(running, None) or {}).values():
             task = self._topology_reads.pop(id(client), None)
             if task is not None and not task.done():
                 task.cancel()

@@ -50,15 +50,16 @@ def engine_autoscaling_config(config: dict[str, Any]):
     if unknown:  # Serve's model ignores them: a typo would pass in silence
         raise ValueError(f"autoscaling_config: unknown keys {unknown}; Serve's are "
                          f"{sorted(AutoscalingConfig.model_fields)}")
-    if config.get("min_replicas", 1) < 1:
-        # a fleet at zero never wakes: the ingress answers 503 with no replica and sends no
-        # request through Serve's handle, so Serve's cold start never sees demand
-        raise ValueError("autoscaling_config: min_replicas must be at least 1")
     if "target_ongoing_requests" in config and config["target_ongoing_requests"] is None:
         raise ValueError("autoscaling_config: target_ongoing_requests must be a number")
     merged = dict(config)
     merged.setdefault("policy", {"policy_function": POLICY_PATH})
     try:
-        return AutoscalingConfig(**merged)
+        out = AutoscalingConfig(**merged)
     except Exception as exc:  # pydantic v1 or v2 ValidationError, TypeError
         raise ValueError(f"autoscaling_config: {exc}") from None
+    if out.min_replicas < 1:  # Serve's parsed value (a variable's text is read as a number)
+        # a fleet at zero never wakes: the ingress answers 503 with no replica and sends no
+        # request through Serve's handle, so Serve's cold start never sees demand
+        raise ValueError("autoscaling_config: min_replicas must be at least 1")
+    return out
