@@ -34,16 +34,27 @@ port=$(sed -n 's/^ *port: *\([0-9]*\).*/\1/p' "$config" | head -1)
 url="http://127.0.0.1:${port:-8000}"
 if [ -n "${START_REDIS:-}" ]; then
     rport=${REDIS_PORT:-6379}
+    # the pid of the service whose START_REDIS Redis serves this port
+    owner="${TMPDIR:-/tmp}/prefix-router-redis-$rport.owner"
+    if [ -f "$owner" ] && ! kill -0 "$(cat "$owner" 2>/dev/null)" 2>/dev/null; then
+        # an earlier run's Redis whose service is gone: its watcher stops it within a
+        # second; wait for that rather than take it (and its keys), then lose it
+        for _ in $(seq 20); do redis-cli -p "$rport" ping >/dev/null 2>&1 || break; sleep 0.5; done
+    fi
     if ! redis-cli -p "$rport" ping >/dev/null 2>&1; then
         redis-server --bind 127.0.0.1 --port "$rport" --save '' --appendonly no \
             --loglevel warning &
         redis_pid=$!
+        echo $$ > "$owner"
         # it stops with the service however `serve run` (this pid, below) ends, a signal to
         # that process alone included: a watcher, started as the readiness one is (below),
         # stops it once this pid is gone (a signal to the process group stops both at once)
         ( (
             while kill -0 $$ 2>/dev/null; do sleep 1; done
-            kill "$redis_pid" 2>/dev/null
+            if ps -p "$redis_pid" -o args= 2>/dev/null | grep -q redis-server; then
+                kill "$redis_pid" 2>/dev/null
+            fi
+            [ "$(cat "$owner" 2>/dev/null)" = $$ ] && rm -f "$owner"
         ) & )
     fi
     export PREFIX_ROUTER_REDIS_URL=${PREFIX_ROUTER_REDIS_URL:-redis://127.0.0.1:$rport/0}
