@@ -157,7 +157,7 @@ class ApiKeys:
         self.check_every_s = check_every_s
         self._inline = self._parse(inline, "PREFIX_ROUTER_API_KEYS") if inline else {}
         self._file: dict[str, Tenant] = {}
-        self._stamp: tuple[int, int] | None = None
+        self._stamp: tuple[int, int, int] | None = None
         self._checked = 0.0
         self._lock = threading.Lock()
         if self.path is not None:
@@ -186,7 +186,7 @@ class ApiKeys:
         assert self.path is not None
         try:
             st = self.path.stat()
-            stamp = (st.st_mtime_ns, st.st_size)
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)  # a rewrite is a new inode
             if stamp == self._stamp:
                 return
             self._file = self._parse(self.path.read_text(), str(self.path))
@@ -308,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     rk = sub.add_parser("revoke", help="drop a key, or every key of a tenant, from FILE")
     rk.add_argument("--file", required=True)
     which = rk.add_mutually_exclusive_group(required=True)
-    which.add_argument("--key", help="the key itself")
+    which.add_argument("--key", help="the key itself (seen by ps and kept in shell "
+                                     "history: --sha256 is safer)")
     which.add_argument("--sha256", help="the key's SHA-256 (as stored in FILE)")
     which.add_argument("--tenant", help="every key of this tenant")
     hk = sub.add_parser("hash", help="print the SHA-256 of a key (for a keys document)")
