@@ -16,8 +16,9 @@ gone restores the copy first, in the same script (``lua/drained.lua``), so that 
 does not erase the others' drains. Only a copy that was current right before the loss is
 written back: its last read at most ``2 * refresh_s`` (and at least ``TRUST_S``) before the
 first read that failed or found the set gone (an operator's undrain through another router
-after that read would be undone; within that window it is). A router without recent requests has no such copy; those with requests refresh
-every ``refresh_s``. To clear every drain, undrain each replica.
+after that read would be undone; within that window it is). A router without recent
+requests has no such copy; those with requests refresh every ``refresh_s``. To clear every
+drain, undrain each replica.
 """
 
 from __future__ import annotations

@@ -240,6 +240,18 @@ class Attempt:
             if self.span is not None:
                 self._trace_end()
 
+    def _released(self, task: asyncio.Task) -> None:
+        """The release task ended: when Redis took it (late), the admission queue looks
+        again (the shared count fell only then); an unexpected error is logged (a Redis
+        failure is not one: the release is kept and retried)."""
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None:
+            logger.error("release of request %s failed: %r", self.req.request_id, exc)
+            return
+        self.core.admission.released(self.req.request_id)
+
     def _trace_end(self) -> None:
         """End the dispatch span: the engine's usage, and whether the answer was abandoned
         before its end (the client left, or the attempt was given up)."""
@@ -262,9 +274,7 @@ class Attempt:
             # answer for the maintenance timeout (2 s: an operator's review, CLIENT PAUSE)
             rid = self.req.request_id
             release = self.release_task = release_soon(self.core.load, rid)
-            # when Redis takes it (late), the queue looks again: its count fell only then
-            release.add_done_callback(lambda t: t.cancelled() or t.exception() is not None
-                                      or self.core.admission.released(rid))
+            release.add_done_callback(self._released)
             await asyncio.wait((release,), timeout=self.core.settings.redis_timeout_s)
             self.core.admission.released(rid)  # a waiting request may take it
         refused = self.head is None or self.head.status >= 400
