@@ -94,10 +94,13 @@ def test_a_signal_to_the_run_commands_process_group_leaves_no_process(tmp_path, 
         _stop(proc, sig, before)
 
 
-def test_a_sigterm_to_the_run_command_alone_stops_the_redis_it_started(tmp_path):
-    """``START_REDIS=1``: the redis-server started beside the service stops with it when
-    only the command's own process gets the SIGTERM (``kill <pid>``; an operator's review
-    found it left running, reparented to init, and a later start would reuse its keys)."""
+def test_the_stop_command_lets_a_stream_in_flight_finish(tmp_path):
+    """Found by a new user's trial: Ctrl-C cut a stream in flight (Serve kills its HTTP
+    proxies first). ``python -m deploy.stop`` deletes the application instead: the stream
+    ends whole, then a signal stops the rest. The service runs with ``START_REDIS=1`` and
+    that signal is a SIGTERM to the command's pid alone (``kill <pid>``): the redis-server
+    it started stops too (an operator's review found it left running under init, and a
+    later start would have taken it and its keys)."""
     before = {int(line.split()[0]) for line in _ours(set())}
     rport = free_port()
 
@@ -107,34 +110,11 @@ def test_a_sigterm_to_the_run_command_alone_stops_the_redis_it_started(tmp_path)
         return any(line.startswith("redis-server") and f":{rport}" in line
                    for line in out.splitlines())
 
-    proc, _ = _start(tmp_path, START_REDIS="1", REDIS_PORT=str(rport))
-    try:
-        assert redis_running()
-        proc.send_signal(signal.SIGTERM)  # the command's pid alone, not its group
-        proc.wait(120)
-        wait_until(lambda: not redis_running() and not _ours(before), 60, 1.0,
-                   "the service and its redis-server gone after a SIGTERM to its pid")
-    finally:
-        if proc.poll() is None or _ours(before) or redis_running():
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            for line in _ours(before):
-                os.kill(int(line.split()[0]), signal.SIGKILL)
-            subprocess.run(["redis-cli", "-p", str(rport), "shutdown", "nosave"],
-                           capture_output=True)
-
-
-def test_the_stop_command_lets_a_stream_in_flight_finish(tmp_path):
-    """Found by a new user's trial: Ctrl-C cut a stream in flight (Serve kills its HTTP
-    proxies first). ``python -m deploy.stop`` deletes the application instead: the stream
-    ends whole, then a signal stops the rest."""
-    before = {int(line.split()[0]) for line in _ours(set())}
     # 20 ms a step: a 400-token answer streams for about 8 s
     proc, port = _start(tmp_path, PREFIX_ROUTER_EXTRA_ENGINE_ARGS=json.dumps(
-        ["--step-model", "0.02,0.00002,0.0005,0"]))
+        ["--step-model", "0.02,0.00002,0.0005,0"]), START_REDIS="1", REDIS_PORT=str(rport))
     try:
+        assert redis_running()
         out: dict = {}
 
         def stream() -> None:
@@ -156,5 +136,13 @@ def test_the_stop_command_lets_a_stream_in_flight_finish(tmp_path):
         assert out["status"] == 200 and out["body"].endswith(b"data: [DONE]\n\n"), \
             out["body"][-300:]
         assert b'"finish_reason": "length"' in out["body"].replace(b'":"', b'": "')
+        proc.send_signal(signal.SIGTERM)  # the command's pid alone, not its group
+        proc.wait(120)
+        wait_until(lambda: not redis_running() and not _ours(before), 60, 1.0,
+                   "the service and its redis-server gone after a SIGTERM to its pid")
     finally:
-        _stop(proc, signal.SIGINT, before)
+        if proc.poll() is None or _ours(before):
+            _stop(proc, signal.SIGINT, before)
+        if redis_running():
+            subprocess.run(["redis-cli", "-p", str(rport), "shutdown", "nosave"],
+                           capture_output=True)
