@@ -3,8 +3,9 @@
 A tenant's limits come from its key in the keys document (``requests_per_minute``,
 ``tokens_per_minute``; ``router.serve.auth``). A request costs one request and its tokens
 as OpenAI counts them for its limits: the prompt's tokens plus the most it may generate
-(``max_completion_tokens`` or ``max_tokens``; for a request that names neither, the rest of
-the model's context, which the engine may fill). It is checked before admission. Over a limit,
+(``max_completion_tokens`` or ``max_tokens``; for a chat request that names neither, the
+rest of the model's context, which the engine may fill; for a completion, vLLM's default of
+16). It is checked before admission. Over a limit,
 the answer is a 429 with ``Retry-After`` and OpenAI's ``x-ratelimit-*`` headers, and nothing
 is counted. The minute slides: two fixed windows, the previous one weighted by the share of
 it still inside the last 60 s (``lua/rate_limit.lua``, after Cloudflare's counting:
@@ -17,8 +18,10 @@ against this process's share of the minute, not against an empty counter.
 
 from __future__ import annotations
 
+import json
 import math
 import threading
+from pathlib import Path
 from typing import Any
 
 from router.clock import Clock, SystemClock
@@ -94,9 +97,6 @@ def context_tokens(max_model_len: int | None, model_dir: str | None) -> int | No
     if max_model_len:
         return max_model_len
     try:
-        import json
-        from pathlib import Path
-
         value = json.loads((Path(model_dir or "") / "config.json").read_text()).get(
             "max_position_embeddings")
     except (OSError, ValueError, AttributeError):
