@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import sys
 import tempfile
@@ -37,7 +38,13 @@ logger = get_logger(__name__)
 
 class EngineStartError(RuntimeError):
     """The engine process exited or did not become healthy in time; the message carries
-    the tail of its log."""
+    the error lines this start wrote to its log (vLLM's engine core logs the root cause
+    well before the API server's own traceback) and the log's tail."""
+
+
+#: A traceback's last line: ``module.ExceptionName: message`` (or the bare name).
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w]*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|"
+                             r"Interrupt)\b(?::|$)")
 
 
 def _default_log_dir() -> Path:
@@ -146,6 +153,7 @@ class EngineProcess:
         self.proc: asyncio.subprocess.Process | None = None
         self.started_at: float | None = None
         self._healthy = False
+        self._log_start = 0
 
     @property
     def url(self) -> str:
@@ -240,6 +248,7 @@ class EngineProcess:
         self.reap()  # what is left of an earlier incarnation
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
+        self._log_start = log.tell()  # the log is appended to: this start's part begins here
         cmd = self.command()
         logger.info("starting engine: %s", " ".join(cmd))
         # The guard leads a new session and process group with the engine in it, and takes
@@ -261,7 +270,7 @@ class EngineProcess:
                 if self.proc.returncode is not None:
                     raise EngineStartError(
                         f"engine exited with {self.proc.returncode} during start-up:\n"
-                        f"{self.log_tail()}")
+                        f"{self.start_errors()}{self.log_tail()}")
                 try:
                     r = await client.get(self.url + "/health")
                     if r.status_code == 200:
@@ -274,7 +283,7 @@ class EngineProcess:
                 await asyncio.sleep(0.5)
         await self.stop()
         raise EngineStartError(f"engine not healthy after {self.settings.engine_start_timeout_s}"
-                               f" s:\n{self.log_tail()}")
+                               f" s:\n{self.start_errors()}{self.log_tail()}")
 
     def alive(self) -> bool:
         """The process runs and has answered its health check since it was started."""
@@ -332,6 +341,28 @@ class EngineProcess:
             except ProcessLookupError:
                 pass
             await self.proc.wait()
+
+    def start_errors(self, max_lines: int = 30) -> str:
+        """The lines of the log written since the last ``start`` that report an error:
+        vLLM's ``ERROR`` records and the last line of each Python traceback (the exception),
+        at most ``max_lines``, each once, followed by a line ``--- log tail:``; empty when
+        there are none. vLLM's engine core logs why it failed ("EngineCore failed to
+        start") before its API server's long traceback, which fills the tail."""
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_start)
+                lines = f.read().decode(errors="replace").splitlines()
+        except OSError:
+            return ""
+        picked: list[str] = []
+        for i, line in enumerate(lines):
+            ends_traceback = (_EXCEPTION_LINE.match(line) is not None
+                              and i > 0 and lines[i - 1].startswith((" ", "\t")))
+            if (" ERROR " in line or ends_traceback) and line not in picked:
+                picked.append(line)
+        if not picked:
+            return ""
+        return "--- errors:\n" + "\n".join(picked[:max_lines]) + "\n--- log tail:\n"
 
     def log_tail(self, n_bytes: int = 4000) -> str:
         try:

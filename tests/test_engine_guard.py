@@ -129,3 +129,44 @@ def test_the_engines_temp_files_go_with_it(tmp_path):
             guard.send_signal(signal.SIGTERM)
         guard.wait(15)
         assert not os.path.exists(tmp)
+
+
+# an engine whose "engine core" fails: its root cause first, then the API server's long
+# traceback that fills the log's tail (vLLM's order)
+FAILING_ENGINE = textwrap.dedent("""
+    import sys, traceback
+    print("(EngineCore pid=1) ERROR 12-06 12:00:00 core.py:1 EngineCore failed to start.")
+    try:
+        raise OSError("Address already in use (addr='tcp://*:5557')")
+    except OSError:
+        traceback.print_exc()
+    for i in range(200):
+        print("  File \\"api_server.py\\", line", i, ", in run_server")
+    print("RuntimeError: Engine core initialization failed. See root cause above.")
+    sys.exit(1)
+""")
+
+
+async def test_an_engines_start_failure_names_its_root_cause(tmp_path):
+    """``EngineStartError`` carries the error lines of this start (not an earlier one's),
+    though the log's tail holds only the API server's traceback."""
+    import pytest
+
+    from replicas.engine import EnginePorts, EngineProcess, EngineStartError
+    from router.config import Settings
+
+    class Failing(EngineProcess):
+        def command(self) -> list[str]:
+            return [sys.executable, "-c", FAILING_ENGINE]
+
+    proc = Failing(Settings(engine="sim"), EnginePorts.allocate("failing"), topic="t",
+                   device="cpu", log_dir=str(tmp_path))
+    proc.log_path.write_text("ValueError: an earlier start's failure\n    x\n")
+    with pytest.raises(EngineStartError) as e:
+        await proc.start()
+    message = str(e.value)
+    assert "Address already in use (addr='tcp://*:5557')" not in proc.log_tail()
+    assert "OSError: Address already in use (addr='tcp://*:5557')" in message
+    assert "EngineCore failed to start." in message
+    assert message.index("EngineCore failed") < message.index("--- log tail:")
+    assert "an earlier start's failure" not in message
