@@ -174,11 +174,24 @@ def standalone_engine(model_dir):
     from replicas.engine import EnginePorts, EngineProcess
     from router.config import Settings
 
-    ports = EnginePorts.allocate("standalone", tcp=True)
-    proc = EngineProcess(Settings(model=str(model_dir), max_model_len=8192), ports,
-                         topic="standalone", device="cpu")
+    from replicas.engine import EngineStartError
+
     loop = asyncio.new_event_loop()  # the process's watcher lives on this loop
-    loop.run_until_complete(proc.start())
+    for attempt in (1, 2):
+        # Its three ports are picked free and bound later by the engine, which another
+        # process's connection may take meanwhile; Serve then starts a new replica with new
+        # ports, and so this fixture tries once more with new ones (saying why).
+        ports = EnginePorts.allocate("standalone", tcp=True)
+        proc = EngineProcess(Settings(model=str(model_dir), max_model_len=8192), ports,
+                             topic="standalone", device="cpu")
+        try:
+            loop.run_until_complete(proc.start())
+            break
+        except EngineStartError as exc:
+            if attempt == 2:
+                raise
+            import warnings
+            warnings.warn(f"the standalone engine failed to start; starting it again: {exc}")
     yield proc, ports
     loop.run_until_complete(proc.stop())
     loop.close()

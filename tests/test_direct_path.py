@@ -338,3 +338,35 @@ async def test_an_answer_does_not_wait_for_a_release_that_a_hanging_redis_holds(
         await c.engine_client().close()
         await c.load.close()
         state.put("replica_infos", None)
+
+
+async def test_the_ingress_stop_waits_for_the_releases_still_running(model_dir, engines,
+                                                                     own_redis):
+    """A release that a slow Redis holds when the ingress stops is waited for (up to the
+    maintenance bound): it is taken when ``close`` returns, not left for the other
+    routers' sweep after this router's heartbeat expires."""
+    import uuid
+
+    import redis as sync_redis
+
+    infos = tuple(ReplicaInfo(r, {"engine_url": engines.urls[r]}, {"engine_alive": True})
+                  for r in ("a", "b"))
+    state.put("replica_infos", infos)
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    c = IngressCore(Settings(model=str(model_dir), index_namespace=ns, policy="round_robin",
+                             redis_url=own_redis.url), engine_handle=None)
+    admin = sync_redis.Redis.from_url(own_redis.url)
+    try:
+        assert (await c.handle(COMPLETIONS_PATH, _body(), time.perf_counter())
+                ).status_code == 200
+        admin.execute_command("CLIENT", "PAUSE", 800, "WRITE")
+        r = await c.handle(COMPLETIONS_PATH, _body(), time.perf_counter())
+        assert r.status_code == 200
+        assert c.load.pending_releases  # its release waits for the pause's end
+        await c.close()
+        assert admin.hlen(f"{ns}:leases") == 0, admin.hgetall(f"{ns}:leases")
+        assert not c.load.pending_releases
+    finally:
+        admin.execute_command("CLIENT", "UNPAUSE")
+        await c.load.close()
+        state.put("replica_infos", None)

@@ -708,6 +708,24 @@ def _background(coro):
     return task
 
 
+async def finish_releases(timeout_s: float) -> int:
+    """Wait up to ``timeout_s`` (s) for this event loop's releases and late settlements
+    still running (``_background``), at a router's stop: a lease released here is one
+    that other routers need not find and sweep once this router's heartbeat has expired.
+
+    Returns:
+        How many were still running when the time was up (they are left running).
+    """
+    import asyncio
+
+    loop = asyncio.get_running_loop()
+    pending = {t for t in _RELEASING if not t.done() and t.get_loop() is loop}
+    if not pending:
+        return 0
+    _, pending = await asyncio.wait(pending, timeout=timeout_s)
+    return len(pending)
+
+
 def release_soon(load: LoadTracker, request_id: str):
     """Release ``request_id``'s reservation in a task of its own, which a cancellation of
     the caller cannot stop half-way; returns the task (await it through

@@ -638,8 +638,18 @@ class IngressCore:
         return self._engine_client
 
     async def close(self) -> None:
-        """Close the direct path's pooled engine connections and stop the render threads
-        (at the ingress's stop)."""
+        """Wait for the lease releases still running (at most Redis's maintenance bound,
+        2 s; those left go to the other routers' sweep once this router's heartbeat
+        expires, and are logged), then close the direct path's pooled engine connections
+        and stop the render threads (at the ingress's stop)."""
+        from router.index.redis import RedisConnections
+        from router.routing.core import finish_releases
+
+        left = await finish_releases(RedisConnections.MAINTENANCE_TIMEOUT_S)
+        if left:
+            logger.warning("%d lease releases still running at the ingress's stop: the other "
+                           "routers release those leases once this router's heartbeat "
+                           "expires", left)
         if self._render_pool is not None:  # renders already queued still finish
             pool, self._render_pool = self._render_pool, None
             pool.shutdown(wait=False)
