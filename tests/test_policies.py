@@ -419,3 +419,37 @@ def test_a_kv_usage_that_is_not_a_number_is_unknown():
     assert cands[0].kv_free_tokens is None
     assert p.choose(RouteRequest(6000, BS, 6000 // BS, expected_output_tokens=400),
                     cands).replica == "a"
+
+
+async def test_an_index_that_flaps_logs_one_outage_per_interval_and_counts_the_rest(caplog):
+    """An index whose calls fail and succeed by turns logs one outage's two ends per
+    ``OUTAGE_LOG_INTERVAL_S``, not a pair of lines per request; the next start logged says
+    how many were not; one going on past the interval is logged at its next failure."""
+    index = _FlakyIndex()
+    core, clock = make_core(index=index)
+
+    async def decide(i: int) -> str:
+        return (await core.decide(f"f{i}", 700, hashes(i, 20), replicas("A", "B"))).reason
+
+    with caplog.at_level("WARNING", logger="router"):
+        for i in range(5):  # five short outages within a second
+            index.down = True
+            assert await decide(2 * i) == "fallback"
+            index.down = False
+            assert await decide(2 * i + 1) != "fallback"
+            clock.advance(0.1)
+        lines = [r.getMessage() for r in caplog.records]
+        assert sum("prefix index unavailable" in m for m in lines) == 1, lines
+        assert sum("prefix index available again" in m for m in lines) == 1, lines
+        index.down = True
+        assert await decide(100) == "fallback"  # still within the interval: counted
+        clock.advance(core.OUTAGE_LOG_INTERVAL_S)
+        assert await decide(101) == "fallback"  # the same outage, past it: logged now
+        lines = [r.getMessage() for r in caplog.records]
+        assert sum("prefix index unavailable" in m for m in lines) == 2, lines
+        assert "5 shorter outages since the last line were not logged" in lines[-1], lines
+        index.down = False
+        assert await decide(102) != "fallback"
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("prefix index available again" in m for m in lines) == 2, lines
+    assert core.index_available

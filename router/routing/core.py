@@ -102,6 +102,11 @@ class RoutingCore:
         self.shadow = shadow
         self.drains = drains
         self._index_available = True
+        # what the outage log lines last told (available or not), when the last outage's
+        # start was logged (load.clock, s), and the outages not logged since
+        self._told_available = True
+        self._outage_logged_at: float | None = None
+        self._outages_unlogged = 0
         self.recent = RecentDecisions(load.clock)
         self._outputs: collections.deque[int] = collections.deque(maxlen=1000)
         self._outputs_sum = 0
@@ -667,16 +672,26 @@ class RoutingCore:
         if self.health is not None:
             self.health.forget(replica)
 
+    #: At most one outage's start is logged per this many seconds (a Redis that flaps, its
+    #: calls failing and succeeding by turns, would log a pair of lines per request).
+    OUTAGE_LOG_INTERVAL_S = 10.0
+
     @property
     def index_available(self) -> bool:
-        """Whether the last index call succeeded (a failure logs a warning once, and its
-        return logs once: an operator sees both ends of an outage)."""
+        """Whether the last index call succeeded. An outage logs a warning at its start
+        and one at its end, so that an operator sees both ends; on an index that flaps,
+        the starts of outages within ``OUTAGE_LOG_INTERVAL_S`` of the last one logged are
+        counted instead (their ends are not logged either), and the next start logged
+        says how many there were; one still going on when the interval is over is
+        logged at its next failure. ``router_index_available`` and
+        ``router_index_errors_total`` show every one."""
         return self._index_available
 
     @index_available.setter
     def index_available(self, value: bool) -> None:
-        if value and not self._index_available:
+        if value and not self._told_available:
             logger.warning("prefix index available again: routing with it")
+            self._told_available = True
         self._index_available = value
 
     def _index_error(self, exc: Exception, op: str) -> None:
@@ -684,9 +699,18 @@ class RoutingCore:
             from router import metrics
             metrics.inc("index_shed", tags={"op": op})
             return
-        if self.index_available:
-            logger.warning("prefix index unavailable (%s): routing by load until it returns",
-                           exc)
+        if self._told_available:
+            now = self.load.clock.now()
+            if (self._outage_logged_at is None
+                    or now - self._outage_logged_at >= self.OUTAGE_LOG_INTERVAL_S):
+                more = (f"; {self._outages_unlogged} shorter outages since the last line "
+                        f"were not logged" if self._outages_unlogged else "")
+                logger.warning("prefix index unavailable (%s): routing by load until it "
+                               "returns%s", exc, more)
+                self._told_available = False
+                self._outage_logged_at, self._outages_unlogged = now, 0
+            elif self.index_available:
+                self._outages_unlogged += 1
         self.index_available = False
         if self.on_index_error:
             self.on_index_error(exc, op)
