@@ -4,8 +4,9 @@
     locust -f loadtest/locustfile.py MultiTurnChatUser --host http://127.0.0.1:8000 \\
         -u 32 -r 4 -t 2m --headless --csv out/run --html out/run.html
 
-    # the same against one vLLM engine directly: only --host changes
-    locust -f loadtest/locustfile.py MultiTurnChatUser --host http://127.0.0.1:8100 ...
+    # the same against one vLLM engine directly: only --host changes (its URL:
+    # metadata.engine_url in the router's GET /replicas)
+    locust -f loadtest/locustfile.py MultiTurnChatUser --host http://127.0.0.1:<port> ...
 
     # the Mooncake conversation trace at 4x its pace
     locust -f loadtest/locustfile.py TraceReplayUser --host ... -u 64 --trace-speed 4
@@ -14,8 +15,9 @@
     locust -f loadtest/locustfile.py --master --expect-workers 4 ...
     locust -f loadtest/locustfile.py --worker --master-host 127.0.0.1   # x 4
 
-The users and their options are in ``loadtest/openai_users.py`` (``locust --help``,
-"prefix-router" group).
+The users and their options are in ``loadtest/openai_users.py``; ``python -m
+loadtest.openai_users`` lists the options (locust's ``--help`` does not: it prints before
+it reads this file).
 """
 
 import sys

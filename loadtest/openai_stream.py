@@ -7,6 +7,7 @@ is tested on its own and shared by every client.
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Iterable
@@ -109,3 +110,14 @@ def take_usage(sample: Sample, usage: dict) -> None:
     sample.completion_tokens = int(usage.get("completion_tokens") or 0)
     details = usage.get("prompt_tokens_details") or {}
     sample.cached_tokens = int(details.get("cached_tokens") or 0)
+
+
+def failure_kind(error: str) -> str:
+    """``error`` as one row of locust's failure table: in the body of an HTTP error
+    (``HTTP <status>: <body>``) numbers of two digits or more read ``N`` (an engine's 400
+    names the prompt's length, which would make a row per request); other errors as they
+    are. The samples keep the whole message."""
+    head, sep, rest = error.partition(": ")
+    if not head.startswith("HTTP "):
+        return error
+    return head + sep + re.sub(r"\d{2,}", "N", rest)

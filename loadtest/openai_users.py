@@ -25,11 +25,17 @@ locust's distributed mode the workers send their counts to the master with their
 reports. A server that sends no router headers (one vLLM directly) counts as one replica,
 named after its address, so the same run compares the two with one ``--host``.
 
-Options (``locust --help`` lists them under "Custom arguments"): ``--model`` (default: the
-first of ``/v1/models``), ``--routing-policy`` (sent as ``x-routing-policy``),
-``--no-stream``, ``--tokenizer`` (a model directory: prompts of exact token counts),
-``--samples-jsonl`` (every request's figures, one JSON line each), and the workloads' own
-(``MultiTurnChatUser``, ``TraceReplayUser``).
+Options: ``python -m loadtest.openai_users`` lists them (locust's own ``--help`` prints
+its options before it reads the locustfile, so it does not list these): ``--model``
+(default: the first of ``/v1/models``), ``--routing-policy`` (sent as
+``x-routing-policy``), ``--no-stream``, ``--tokenizer`` (a model directory: prompts of
+exact token counts; default: the served model's own folder, ``root`` in ``/v1/models``,
+when it is on this machine), ``--samples-jsonl`` (every request's figures, one JSON line
+each), and the workloads' own (``MultiTurnChatUser``, ``TraceReplayUser``).
+
+A run ends with exit code 2 on an option it cannot use (a trace that cannot be read, a
+``--trace-speed`` not above 0, no trace row left to replay, a ``--host`` without
+``http://`` or ``https://``), and with exit code 1 when no inference request finished.
 
 This module imports neither Ray nor vLLM: locust's gevent patching fails in a process that
 has (run locust as its own process, also from tests).
@@ -50,9 +56,10 @@ from typing import Any, Iterator
 from urllib.parse import urlparse
 
 from locust import HttpUser, between, events, task
+from locust.exception import RescheduleTask
 from locust.runners import MasterRunner, WorkerRunner
 
-from loadtest.openai_stream import Sample, read_stream, take_usage
+from loadtest.openai_stream import Sample, failure_kind, read_stream, take_usage
 from loadtest.texts import (
     MOONCAKE_CONVERSATION,
     mt_bench_turns,
@@ -68,6 +75,10 @@ logger = logging.getLogger(__name__)
 # ---------------------------------------------------------------------------------------------
 # per-replica attribution, merged over workers
 # ---------------------------------------------------------------------------------------------
+
+#: the row of answers the router gave itself (refusals, errors before any replica)
+ROUTER_ITSELF = "(router, not routed)"
+_IN_FLIGHT = [0]  # inference requests of this process sent and not yet answered in full
 
 _FIELDS = ("requests", "failures", "prompt_tokens", "cached_tokens", "predicted_cached_tokens",
            "predicted_exact", "predicted_requests")
@@ -165,8 +176,8 @@ class OpenAIUser(HttpUser):
 
     abstract = True
     wait_time = between(0, 0)
-    _model_lock = threading.Lock()
-    _model: str | None = None
+    _card_lock = threading.Lock()
+    _card: dict[str, Any] | None = None  # the server's model card, asked once per process
 
     @property
     def options(self):
@@ -178,21 +189,80 @@ class OpenAIUser(HttpUser):
         key = key or os.environ.get("OPENAI_API_KEY")
         return {"authorization": f"Bearer {key}"} if key else {}
 
+    def model_card(self) -> dict[str, Any] | None:
+        """The server's ``/v1/models`` entry of ``--model`` (else of its first model):
+        ``id``, and from vLLM ``max_model_len`` and ``root`` (the model's folder), asked
+        once per process. A failed ask is recorded as the ``/v1/models`` entry's failure,
+        saying why (no answer from the host, the status, not a model list), and gives
+        None (asked again next time) without ``--model``, ``{"id": <--model>}`` with it."""
+        cls = OpenAIUser
+        with cls._card_lock:
+            if cls._card is None:
+                card = self._ask_model_card()
+                opt = getattr(self.options, "model", None) if self.options else None
+                if card is None and opt:
+                    card = {"id": opt}
+                cls._card = card
+            return cls._card
+
+    def _ask_model_card(self) -> dict[str, Any] | None:
+        opt = getattr(self.options, "model", None) if self.options else None
+        with self.client.get("/v1/models", name="/v1/models", catch_response=True,
+                             headers=self.auth_headers()) as r:
+            if not r.status_code:
+                r.failure(f"no answer from {self.host}: {_no_answer(r)}")
+                return None
+            if r.status_code != 200:
+                r.failure(f"HTTP {r.status_code}: {(r.text or '')[:200]}")
+                return None
+            try:
+                models = [m for m in r.json()["data"] if isinstance(m, dict) and "id" in m]
+            except (ValueError, KeyError, TypeError):
+                r.failure("not an OpenAI model list (--host is the server's root, without "
+                          f"/v1): {(r.text or '')[:100]!r}")
+                return None
+            card = next((m for m in models if m["id"] == opt), None) if opt else \
+                (models[0] if models else None)
+            if card is None:
+                if opt:  # the server answers for it (a 404 names it) or serves it under
+                    r.success()  # an alias: not the model list's failure
+                    return None
+                r.failure("the server lists no model")
+                return None
+            r.success()
+            return card
+
     def model(self) -> str:
-        """``--model``, else the first model the server lists (asked once per process)."""
+        """``--model``, else the first model the server lists (``model_card``). Without
+        either the task is given up (``RescheduleTask``, after a second: no tight loop
+        against a host that is down) and tried again."""
         opt = getattr(self.options, "model", None) if self.options else None
         if opt:
             return opt
-        cls = OpenAIUser
-        if cls._model is None:
-            with self.client.get("/v1/models", name="/v1/models", catch_response=True,
-                                 headers=self.auth_headers()) as r:
-                try:
-                    cls._model = r.json()["data"][0]["id"]
-                except Exception as exc:  # noqa: BLE001 - reported as the request's failure
-                    r.failure(f"no model listed: {exc}")
-                    raise
-        return cls._model
+        card = self.model_card()
+        if card is None:
+            time.sleep(1.0)  # gevent-patched: yields to the other users
+            raise RescheduleTask()
+        return card["id"]
+
+    def tokenizer(self) -> str | None:
+        """``--tokenizer``; else the served model's folder (``root`` of its model card)
+        when it holds a ``tokenizer.json`` on this machine (vLLM's own); else None, and a
+        warning once: generated prompts are then only about as long as asked (a word of
+        their vocabulary can be several tokens of the model's)."""
+        opt = getattr(self.options, "tokenizer", None) if self.options else None
+        if opt:
+            return opt
+        root = (self.model_card() or {}).get("root")
+        if isinstance(root, str) and (Path(root) / "tokenizer.json").is_file():
+            return root
+        global _warned_tokenizer
+        if not _warned_tokenizer:
+            _warned_tokenizer = True
+            logger.warning("no --tokenizer, and the served model's folder (%r) is not on this "
+                           "machine: prompt lengths are approximate (a word may be several "
+                           "tokens); pass --tokenizer <model folder> for exact ones", root)
+        return None
 
     def chat(self, messages: list[dict], max_tokens: int, name: str = "chat",
              meta: dict | None = None, **extra) -> Sample:
@@ -219,20 +289,36 @@ class OpenAIUser(HttpUser):
             headers["x-routing-policy"] = policy
         sample = Sample(route=name, status=0, ok=True, t_start=time.time(), **(meta or {}))
         t0 = time.perf_counter()
+        _IN_FLIGHT[0] += 1
+        try:
+            return self._exchange(path, body, name, headers, stream, policy, sample, t0)
+        finally:
+            _IN_FLIGHT[0] -= 1
+
+    def _exchange(self, path: str, body: dict, name: str, headers: dict, stream: bool,
+                  policy: str | None, sample: Sample, t0: float) -> Sample:
         with self.client.request("POST", path, data=json.dumps(body), headers=headers,
                                  name=name, stream=stream, catch_response=True,
                                  timeout=(30, 600)) as r:
             sample.status = r.status_code or 0
             h = r.headers or {}
-            sample.replica = h.get("x-routed-replica") or urlparse(self.host or "").netloc
+            timing = parse_server_timing(h.get("server-timing"))
+            # an answer of the router's own (a 400, a 429, a 503) names no replica: it is
+            # not counted as one named after the router's address
+            sample.replica = h.get("x-routed-replica") or (
+                ROUTER_ITSELF if "router" in timing or "x-data-path" in h
+                else urlparse(self.host or "").netloc)
             sample.policy = h.get("x-routing-policy", "")
             if h.get("x-predicted-cached-tokens") is not None:
                 sample.predicted_cached_tokens = int(h["x-predicted-cached-tokens"])
-            routing = parse_server_timing(h.get("server-timing")).get("routing")
+            routing = timing.get("routing")
             if routing is not None:
                 sample.routing_s = routing
             try:
-                if sample.status != 200:
+                if sample.status == 0:
+                    sample.ok = False
+                    sample.error = f"no answer: {_no_answer(r)}"
+                elif sample.status != 200:
                     sample.ok = False
                     sample.error = f"HTTP {sample.status}: {(r.text or '')[:200]}"
                 elif stream:
@@ -255,8 +341,8 @@ class OpenAIUser(HttpUser):
             r.request_meta["response_time"] = sample.e2e_s * 1000
             if sample.ok:
                 r.success()
-            else:
-                r.failure(sample.error)
+            else:  # one line of locust's failure table per kind, not per number in it
+                r.failure(failure_kind(sample.error))
         self._fire_latencies(sample, name)
         _record_sample(self.environment, sample)
         return sample
@@ -274,6 +360,15 @@ class OpenAIUser(HttpUser):
         if s.tpot_s is not None:
             fire(request_type="TPOT", name=name, response_time=s.tpot_s * 1000,
                  response_length=0, exception=None, context={})
+
+
+_warned_tokenizer = False
+
+
+def _no_answer(r) -> str:
+    """Why a request got no HTTP answer (status 0): the error the client recorded."""
+    err = getattr(r, "error", None)
+    return f"{type(err).__name__}: {err}" if err is not None else "no response"
 
 
 def _lines(r) -> Iterator[str]:
@@ -330,7 +425,7 @@ class MultiTurnChatUser(OpenAIUser):
 
     def _new_conversation(self) -> None:
         o = self.options
-        tokenizer = getattr(o, "tokenizer", None)
+        tokenizer = self.tokenizer()
         system = words_text(int(getattr(o, "system_tokens", 2000)),
                             f"system-{getattr(o, 'prompt_seed', 0)}-{self.team}", tokenizer)
         self.messages = [{"role": "system", "content":
@@ -349,7 +444,7 @@ class MultiTurnChatUser(OpenAIUser):
         context = words_text(int(getattr(o, "question_tokens", 100)),
                              f"ctx-{getattr(o, 'prompt_seed', 0)}-{self.index}-"
                              f"{self.conversations}-{self.turn}",
-                             getattr(o, "tokenizer", None))
+                             self.tokenizer())
         self.messages.append({"role": "user", "content": f"{q}\nContext:{context}"})
         extra = {"ignore_eos": True} if getattr(o, "ignore_eos", True) else {}
         s = self.chat(self.messages, int(getattr(o, "answer_tokens", 64)), name="chat",
@@ -384,7 +479,7 @@ class PacedChatUser(OpenAIUser):
         o = self.options
         self.system = words_text(int(getattr(o, "system_tokens", 2000)),
                                  f"paced-{getattr(o, 'prompt_seed', 0)}",
-                                 getattr(o, "tokenizer", None))
+                                 self.tokenizer())
         time.sleep(self.rng.random() * float(getattr(o, "pacing_s", 2.0)))  # spread starts
 
     @task
@@ -411,8 +506,10 @@ class TraceReplayUser(OpenAIUser):
     trace's concurrency); a row is sent late, never dropped, when all are busy. With
     workers, worker ``i`` of ``--expect-workers`` replays rows ``i``, ``i + n``, ... .
     ``--trace-limit`` takes the first N rows, of which ``--trace-max-input-tokens`` leaves
-    out the longer ones. When the trace has been replayed the run
-    ends (with workers, at ``-t``).
+    out the longer ones, and so are those that do not fit the served model's context
+    (``max_model_len``, counted in the log). When the trace has been replayed the run
+    ends (with workers, at ``-t``); a trace that cannot be read, or has no row left, ends
+    it at once (exit code 2).
     """
 
     abstract = False
@@ -422,25 +519,75 @@ class TraceReplayUser(OpenAIUser):
     def _rows(self) -> dict[str, Any]:
         with TraceReplayUser._schedule_lock:
             if TraceReplayUser._schedule is None:
-                o = self.options
-                rows = trace_rows(getattr(o, "trace", None) or MOONCAKE_CONVERSATION)
-                limit = int(getattr(o, "trace_limit", 0) or 0)
-                if limit:
-                    rows = rows[:limit]
-                longest = int(getattr(o, "trace_max_input_tokens", 0) or 0)
-                if longest:
-                    rows = [r for r in rows if r["input_length"] <= longest]
-                runner = self.environment.runner
-                if isinstance(runner, WorkerRunner):
-                    n = max(int(getattr(o, "expect_workers", 1) or 1), 1)
-                    rows = rows[runner.worker_index % n::n]
-                TraceReplayUser._schedule = {"rows": rows, "next": itertools.count(),
-                                             "done": 0, "t0": time.monotonic()}
+                try:
+                    rows = self._schedule_rows()
+                except ValueError as exc:  # the run cannot go on: said once, then it quits
+                    _abort(self.environment, str(exc))
+                    TraceReplayUser._schedule = {"error": str(exc)}
+                else:
+                    TraceReplayUser._schedule = {"rows": rows, "next": itertools.count(),
+                                                 "done": 0, "t0": time.monotonic()}
             return TraceReplayUser._schedule
+
+    def _schedule_rows(self) -> list[dict]:
+        """This process's rows: the trace, cut by ``--trace-limit`` and
+        ``--trace-max-input-tokens``, without the rows that do not fit the served model's
+        context (``max_model_len`` of its model card: prompt and capped output; the number
+        left out is logged), then this worker's share.
+
+        Raises:
+            ValueError: the trace cannot be read, ``--trace-speed`` is not above 0, or no
+                row is left.
+        """
+        o = self.options
+        if not float(getattr(o, "trace_speed", 1.0)) > 0:
+            raise ValueError(f"--trace-speed must be above 0, not "
+                             f"{getattr(o, 'trace_speed', None)}")
+        path = getattr(o, "trace", None) or MOONCAKE_CONVERSATION
+        try:
+            rows = trace_rows(path)
+            rows = [r for r in rows if int(r["input_length"]) >= 0
+                    and int(r["output_length"]) >= 0 and isinstance(r["hash_ids"], list)]
+        except (OSError, EOFError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"--trace {path}: not a readable Mooncake-format trace (JSON lines "
+                             f"with timestamp, input_length, output_length, hash_ids): "
+                             f"{type(exc).__name__}: {exc}") from None
+        why = []
+        limit = int(getattr(o, "trace_limit", 0) or 0)
+        if limit:
+            rows = rows[:limit]
+            why.append(f"--trace-limit {limit}")
+        longest = int(getattr(o, "trace_max_input_tokens", 0) or 0)
+        if longest:
+            rows = [r for r in rows if r["input_length"] <= longest]
+            why.append(f"--trace-max-input-tokens {longest}")
+        context = (self.model_card() or {}).get("max_model_len")
+        if isinstance(context, int) and context > 0:
+            cap = int(getattr(o, "max_output_tokens", 512))
+            fits = [r for r in rows
+                    if r["input_length"] + max(min(r["output_length"], cap), 1) <= context]
+            if len(fits) < len(rows):
+                logger.info("%d trace rows left out: longer than the model's context, "
+                            "max_model_len %d (prompt and output capped at %d tokens)",
+                            len(rows) - len(fits), context, cap)
+            rows = fits
+            why.append(f"the model's max_model_len {context}")
+        runner = self.environment.runner
+        if isinstance(runner, WorkerRunner):
+            n = max(int(getattr(o, "expect_workers", 1) or 1), 1)
+            rows = rows[runner.worker_index % n::n]
+            why.append(f"this worker's share (1 in {n})")
+        if not rows:
+            raise ValueError(f"no trace rows to replay from {path}"
+                             + (f" after {', '.join(why)}" if why else ""))
+        return rows
 
     @task
     def replay_next_row(self) -> None:
         sched = self._rows()
+        if "error" in sched:
+            self.stop()
+            return
         i = next(sched["next"])
         if i >= len(sched["rows"]):
             self.stop()
@@ -453,7 +600,7 @@ class TraceReplayUser(OpenAIUser):
             time.sleep(delay)  # gevent-patched: yields to the other users
         prompt = trace_prompt(row["hash_ids"], row["input_length"],
                               int(getattr(o, "trace_block_tokens", 512)),
-                              getattr(o, "tokenizer", None),
+                              self.tokenizer(),
                               seed=str(getattr(o, "prompt_seed", "0")))
         try:
             self.complete(prompt, max(min(int(row["output_length"]),
@@ -515,6 +662,31 @@ def _add_options(parser) -> None:
                    help="TraceReplayUser: leave out rows with longer prompts (0: none)")
 
 
+def _abort(environment, message: str) -> None:
+    """End the run: ``message`` logged once as an error, exit code 2 (a usage error)."""
+    logger.error("%s: the run ends", message)
+    environment.process_exit_code = 2
+    import gevent
+    if environment.runner is not None:
+        gevent.spawn_later(0.1, environment.runner.quit)
+
+
+@events.init.add_listener
+def _check_host(environment, **kw) -> None:
+    """A ``--host`` that is not an ``http://`` or ``https://`` URL ends locust before any
+    user starts (exit code 2); one that ends in ``/v1`` is warned of (the kit adds
+    ``/v1/...`` itself)."""
+    host = environment.host or ""
+    if not host:  # a worker takes the master's
+        return
+    if urlparse(host).scheme not in ("http", "https"):
+        logger.error("--host %r is not an http:// or https:// URL: locust ends", host)
+        raise SystemExit(2)
+    if host.rstrip("/").endswith("/v1"):
+        logger.warning("--host %s ends in /v1: the kit adds /v1/... itself (give the "
+                       "server's root)", host)
+
+
 @events.report_to_master.add_listener
 def _report(client_id, data, **kw) -> None:
     data["prefix_router_replicas"] = REPLICAS.take()
@@ -559,8 +731,9 @@ def _init(environment, **kw) -> None:
 def summary(environment) -> dict[str, Any]:
     """The end-of-run summary: hit rate (engine-reported cached / prompt tokens), TTFT and
     ITL percentiles (ms, locust's own histograms), requests and failures per replica.
-    ``requests`` counts the inference requests (POSTs), as the replicas' rows do; a user's
-    ``GET /v1/models`` at its start is not one."""
+    ``requests`` and ``failures`` count the inference requests (POSTs), as the replicas'
+    rows do; a user's ``GET /v1/models`` at its start is not one (its failures are
+    ``other_failures``)."""
     stats = environment.stats
     rows = REPLICAS.snapshot()
     prompt = sum(r["prompt_tokens"] for r in rows)
@@ -584,7 +757,10 @@ def summary(environment) -> dict[str, Any]:
             "exact_predictions": exact / predicted if predicted else None,
             "requests": sum(e.num_requests for (_, m), e in stats.entries.items()
                             if m == "POST"),
-            "failures": stats.total.num_failures,
+            "failures": sum(e.num_failures for (_, m), e in stats.entries.items()
+                            if m == "POST"),
+            "other_failures": sum(e.num_failures for (_, m), e in stats.entries.items()
+                                  if m != "POST"),
             "ttft_ms": pct("TTFT"), "itl_ms": pct("ITL"), "tpot_ms": pct("TPOT"),
             "replicas": rows}
 
@@ -623,6 +799,12 @@ def _at_end(environment, **kw) -> None:
     s = summary(environment)
     print("\nprefix-router summary: " + json.dumps({k: v for k, v in s.items()
                                                     if k != "replicas"}))
+    if _IN_FLIGHT[0]:
+        print(f"prefix-router: {_IN_FLIGHT[0]} requests still in flight at the end, not "
+              f"counted (their answers had not ended)")
+    if not s["requests"] and environment.process_exit_code is None:
+        print("prefix-router: no inference request finished in this run")
+        environment.process_exit_code = 1
     for r in s["replicas"]:
         print(f"  {r['replica']}: {r['requests']} requests, {r['failures']} failed, "
               f"hit rate {r['hit_rate']:.1%}, exact predictions {r['exact_predictions']}")
@@ -649,3 +831,14 @@ def _at_end(environment, **kw) -> None:
 
 __all__ = ["OpenAIUser", "MultiTurnChatUser", "TraceReplayUser", "Sample", "read_stream",
            "summary", "trace_prompt", "trace_rows", "words_text", "REPLICAS", "MasterRunner"]
+
+
+if __name__ == "__main__":  # the kit's own options (locust's --help prints before it reads them)
+    import argparse
+
+    _parser = argparse.ArgumentParser(
+        prog="locust -f loadtest/locustfile.py",
+        description="The prefix-router locust kit's options, given to locust with its own.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_options(_parser)
+    _parser.print_help()

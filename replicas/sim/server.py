@@ -162,8 +162,10 @@ class SimServer:
     """The engine loop plus the HTTP handlers."""
 
     def __init__(self, engine: SimEngine, renderer: PromptRenderer, model_name: str,
-                 publisher: EventPublisher, max_model_len: int = 131072):
+                 publisher: EventPublisher, max_model_len: int = 131072,
+                 root: str | None = None):
         self.engine = engine
+        self.root = root  # the model's folder, as vLLM's model card names it
         self.renderer = renderer
         self.model_name = model_name
         self.publisher = publisher
@@ -412,6 +414,7 @@ def build_app(server: SimServer) -> FastAPI:
     async def models():
         return {"object": "list", "data": [{"id": server.model_name, "object": "model",
                                             "owned_by": "prefix-router-sim",
+                                            "root": server.root or server.model_name,
                                             "max_model_len": server.max_model_len}]}
 
     @app.post("/tokenize")
@@ -489,7 +492,8 @@ def main(argv: list[str] | None = None) -> None:
                        HashSettings(block_size=a.block_size, hash_algo=a.hash_algo, seed=seed))
     publisher = EventPublisher(kv.get("endpoint") if kv.get("enable_kv_cache_events", True)
                                else None, kv.get("replay_endpoint"), kv.get("topic", ""))
-    server = SimServer(engine, renderer, a.served_model_name or a.model, publisher)
+    server = SimServer(engine, renderer, a.served_model_name or a.model, publisher,
+                       root=a.model)
     _ShuttingDownServer(server, a.shutdown_timeout, uvicorn.Config(
         build_app(server), host=a.host, port=a.port, log_level="warning")).run()
 

@@ -87,12 +87,19 @@ def test_the_same_run_works_against_one_engine_directly(sim_engine, tmp_path):
     after its address: the comparison with the router is one --host away."""
     rc, rows, log = run_locust(sim_engine, tmp_path, "MultiTurnChatUser", "-u", "2", "-r", "2",
                                "--system-tokens", "100", "--answer-tokens", "8",
-                               "--think-time", "0.1", seconds=5)
+                               "--question-tokens", "20", "--think-time", "0.1",
+                               "--samples-jsonl", str(tmp_path / "samples.jsonl"), seconds=5)
     assert rc == 0, log[-2000:]
     with open(tmp_path / "run_replicas.csv") as f:
         replicas = list(csv.DictReader(f))
     assert [r["replica"] for r in replicas] == [sim_engine.split("//")[1]]
     assert int(rows[("TTFT", "chat")]["Request Count"]) > 0
+    # no --tokenizer: the served model's folder (root in /v1/models) is taken, so a first
+    # turn is its 100 + 20 tokens, a question and the template's (the generated model's
+    # tokenizer splits the fallback words into about 3.5 tokens each: 420 and more)
+    first = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()
+             if json.loads(line)["turn"] == 0]
+    assert first and max(s["prompt_tokens"] for s in first) < 300, first
 
 
 def test_trace_replay_keeps_the_traces_pace_and_shares_prefixes(sim_engine, tmp_path):
