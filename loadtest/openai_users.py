@@ -247,13 +247,16 @@ class OpenAIUser(HttpUser):
 
     def tokenizer(self) -> str | None:
         """``--tokenizer``; else the served model's folder (``root`` of its model card)
-        when it holds a ``tokenizer.json`` on this machine (vLLM's own); else None, and a
-        warning once: generated prompts are then only about as long as asked (a word of
+        when it holds a ``tokenizer.json`` on this machine (vLLM's own); else None (and,
+        when the server answered, a warning once): generated prompts are then only about as long as asked (a word of
         their vocabulary can be several tokens of the model's)."""
         opt = getattr(self.options, "tokenizer", None) if self.options else None
         if opt:
             return opt
-        root = (self.model_card() or {}).get("root")
+        card = self.model_card()
+        if card is None:  # the server did not answer (recorded): asked again next time
+            return None
+        root = card.get("root")
         if isinstance(root, str) and (Path(root) / "tokenizer.json").is_file():
             return root
         global _warned_tokenizer
