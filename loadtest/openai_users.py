@@ -78,7 +78,12 @@ logger = logging.getLogger(__name__)
 
 #: the row of answers the router gave itself (refusals, errors before any replica)
 ROUTER_ITSELF = "(router, not routed)"
+#: the row of streams the router began with keep-alives while the request waited (its
+#: headers, sent before the request was routed, cannot name the replica)
+ROUTED_UNNAMED = "(routed, replica not named)"
 _IN_FLIGHT = [0]  # inference requests of this process sent and not yet answered in full
+_IN_FLIGHT_AT_STOP: list[int | None] = [None]  # ... as the test stopped (its users not yet
+# killed; a worker's goes to its master with its last stats report)
 
 _FIELDS = ("requests", "failures", "prompt_tokens", "cached_tokens", "predicted_cached_tokens",
            "predicted_exact", "predicted_requests")
@@ -177,7 +182,9 @@ class OpenAIUser(HttpUser):
     abstract = True
     wait_time = between(0, 0)
     _card_lock = threading.Lock()
-    _card: dict[str, Any] | None = None  # the server's model card, asked once per process
+    _card: dict[str, Any] | None = None  # the server's model card, once it answered
+    _card_asked_at = -1e9  # when it was last asked (monotonic s), with --model
+    CARD_RETRY_S = 5.0  # with --model: how often an unanswered model card is asked again
 
     @property
     def options(self):
@@ -189,54 +196,65 @@ class OpenAIUser(HttpUser):
         key = key or os.environ.get("OPENAI_API_KEY")
         return {"authorization": f"Bearer {key}"} if key else {}
 
+    def _model_option(self) -> str:
+        return (getattr(self.options, "model", None) if self.options else None) or ""
+
     def model_card(self) -> dict[str, Any] | None:
         """The server's ``/v1/models`` entry of ``--model`` (else of its first model):
-        ``id``, and from vLLM ``max_model_len`` and ``root`` (the model's folder), asked
-        once per process. A failed ask is recorded as the ``/v1/models`` entry's failure,
-        saying why (no answer from the host, the status, not a model list), and gives
-        None (asked again next time) without ``--model``, ``{"id": <--model>}`` with it."""
+        ``id``, and from vLLM ``max_model_len`` and ``root`` (the model's folder; for a
+        LoRA adapter, its base model's, ``tokenizer_root``), kept once the server answered;
+        None until then.
+
+        Without ``--model`` the card is needed (its id is the requests' model): each ask is
+        a ``/v1/models`` entry of locust's table and a failed one its failure, saying why
+        (no answer from the host, the status, not a model list). With ``--model`` the card
+        only adds the context length and the tokenizer: it is asked at most every
+        ``CARD_RETRY_S`` until it answers, outside locust's table (a server without
+        ``/v1/models``, or one still starting, fails no run), a failure logged once."""
         cls = OpenAIUser
         with cls._card_lock:
             if cls._card is None:
-                card = self._ask_model_card()
-                opt = getattr(self.options, "model", None) if self.options else None
-                if card is None and opt:
-                    card = {"id": opt}
-                cls._card = card
+                if self._model_option():
+                    now = time.monotonic()
+                    if now - cls._card_asked_at >= self.CARD_RETRY_S:
+                        cls._card_asked_at = now
+                        cls._card = self._ask_model_card(recorded=False)
+                else:
+                    cls._card = self._ask_model_card(recorded=True)
             return cls._card
 
-    def _ask_model_card(self) -> dict[str, Any] | None:
-        opt = getattr(self.options, "model", None) if self.options else None
-        with self.client.get("/v1/models", name="/v1/models", catch_response=True,
-                             headers=self.auth_headers()) as r:
-            if not r.status_code:
-                r.failure(f"no answer from {self.host}: {_no_answer(r)}")
-                return None
-            if r.status_code != 200:
-                r.failure(f"HTTP {r.status_code}: {(r.text or '')[:200]}")
-                return None
-            try:
-                models = [m for m in r.json()["data"] if isinstance(m, dict) and "id" in m]
-            except (ValueError, KeyError, TypeError):
-                r.failure("not an OpenAI model list (--host is the server's root, without "
-                          f"/v1): {(r.text or '')[:100]!r}")
-                return None
-            card = next((m for m in models if m["id"] == opt), None) if opt else \
-                (models[0] if models else None)
-            if card is None:
-                if opt:  # the server answers for it (a 404 names it) or serves it under
-                    r.success()  # an alias: not the model list's failure
-                    return None
-                r.failure("the server lists no model")
-                return None
-            r.success()
-            return card
+    def _ask_model_card(self, recorded: bool) -> dict[str, Any] | None:
+        opt = self._model_option()
+        if recorded:
+            with self.client.get("/v1/models", name="/v1/models", catch_response=True,
+                                 headers=self.auth_headers()) as r:
+                card, why = _model_card_of(r, opt, self.host or "")
+                if why:
+                    r.failure(why)
+                else:
+                    r.success()
+                return card
+        import requests  # gevent-patched by locust: yields to the other users
+        try:
+            r = requests.get(f"{(self.host or '').rstrip('/')}/v1/models",
+                             headers=self.auth_headers(), timeout=(10, 30))
+        except requests.RequestException as exc:
+            r = _NoAnswer(exc)
+        card, why = _model_card_of(r, opt, self.host or "")
+        global _warned_card
+        if why and not _warned_card:
+            _warned_card = True
+            logger.warning("GET /v1/models: %s; the model's context length and folder stay "
+                           "unknown until it answers (asked every %.0f s)", why,
+                           self.CARD_RETRY_S)
+        return card
 
     def model(self) -> str:
         """``--model``, else the first model the server lists (``model_card``). Without
         either the task is given up (``RescheduleTask``, after a second: no tight loop
-        against a host that is down) and tried again."""
-        opt = getattr(self.options, "model", None) if self.options else None
+        against a host that is down) and tried again; tasks call it before they change
+        any state of their own."""
+        opt = self._model_option()
         if opt:
             return opt
         card = self.model_card()
@@ -246,17 +264,18 @@ class OpenAIUser(HttpUser):
         return card["id"]
 
     def tokenizer(self) -> str | None:
-        """``--tokenizer``; else the served model's folder (``root`` of its model card)
-        when it holds a ``tokenizer.json`` on this machine (vLLM's own); else None (and,
-        when the server answered, a warning once): generated prompts are then only about as long as asked (a word of
-        their vocabulary can be several tokens of the model's)."""
+        """``--tokenizer``; else the served model's folder (``tokenizer_root`` of its model
+        card) when it holds a ``tokenizer.json`` on this machine (vLLM's own); else None
+        (and, when the server answered, a warning once): generated prompts are then only
+        about as long as asked (a word of their vocabulary can be several tokens of the
+        model's)."""
         opt = getattr(self.options, "tokenizer", None) if self.options else None
         if opt:
             return opt
         card = self.model_card()
-        if card is None:  # the server did not answer (recorded): asked again next time
+        if card is None:  # the server has not answered: asked again later
             return None
-        root = card.get("root")
+        root = card.get("tokenizer_root")
         if isinstance(root, str) and (Path(root) / "tokenizer.json").is_file():
             return root
         global _warned_tokenizer
@@ -306,10 +325,12 @@ class OpenAIUser(HttpUser):
             sample.status = r.status_code or 0
             h = r.headers or {}
             timing = parse_server_timing(h.get("server-timing"))
-            # an answer of the router's own (a 400, a 429, a 503) names no replica: it is
-            # not counted as one named after the router's address
+            # an answer of the router's own (a 400, a 429, a 503) names no replica, nor does
+            # a stream it began with keep-alives before the request was routed: neither is
+            # counted as a replica named after the router's address
+            from_router = "router" in timing or "x-data-path" in h
             sample.replica = h.get("x-routed-replica") or (
-                ROUTER_ITSELF if "router" in timing or "x-data-path" in h
+                (ROUTED_UNNAMED if sample.status == 200 else ROUTER_ITSELF) if from_router
                 else urlparse(self.host or "").netloc)
             sample.policy = h.get("x-routing-policy", "")
             if h.get("x-predicted-cached-tokens") is not None:
@@ -366,6 +387,43 @@ class OpenAIUser(HttpUser):
 
 
 _warned_tokenizer = False
+_warned_card = False
+
+
+class _NoAnswer:
+    """A request that got no HTTP answer, shaped as a response of status 0."""
+
+    status_code = 0
+    text = ""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def _model_card_of(r, model: str, host: str) -> tuple[dict[str, Any] | None, str]:
+    """The model card of ``model`` (else the first listed) in a ``/v1/models`` response,
+    with ``tokenizer_root``: its ``root``, or, for a LoRA adapter whose folder holds no
+    tokenizer, its ``parent``'s. Returns (card, "") or (None, why not)."""
+    if not r.status_code:
+        return None, f"no answer from {host}: {_no_answer(r)}"
+    if r.status_code != 200:
+        return None, f"HTTP {r.status_code}: {(r.text or '')[:200]}"
+    try:
+        models = [m for m in r.json()["data"] if isinstance(m, dict) and "id" in m]
+    except (ValueError, KeyError, TypeError):
+        return None, ("not an OpenAI model list (--host is the server's root, without /v1): "
+                      f"{(r.text or '')[:100]!r}")
+    card = next((m for m in models if m["id"] == model), None) if model else \
+        (models[0] if models else None)
+    if card is None:
+        return None, (f"the server lists no model {model!r}" if model
+                      else "the server lists no model")
+    root = card.get("root")
+    if isinstance(card.get("parent"), str) and not (
+            isinstance(root, str) and (Path(root) / "tokenizer.json").is_file()):
+        base = next((m for m in models if m["id"] == card["parent"]), None)
+        root = (base or {}).get("root", root)
+    return {**card, "tokenizer_root": root}, ""
 
 
 def _no_answer(r) -> str:
@@ -424,7 +482,8 @@ class MultiTurnChatUser(OpenAIUser):
         self.team = self.index % max(int(getattr(o, "groups", 4)), 1)
         self.rng = random.Random(f"user-{self.index}")
         self.conversations = 0
-        self._new_conversation()
+        self.messages: list[dict] | None = None  # begun at the first turn (once the
+        # server's model card, and so its tokenizer, is known)
 
     def _new_conversation(self) -> None:
         o = self.options
@@ -443,6 +502,9 @@ class MultiTurnChatUser(OpenAIUser):
     @task
     def turn_of_conversation(self) -> None:
         o = self.options
+        self.model()  # before anything changes: it may give the task up (RescheduleTask)
+        if self.messages is None:
+            self._new_conversation()
         q = self.rng.choice(mt_bench_turns())
         context = words_text(int(getattr(o, "question_tokens", 100)),
                              f"ctx-{getattr(o, 'prompt_seed', 0)}-{self.index}-"
@@ -479,15 +541,17 @@ class PacedChatUser(OpenAIUser):
 
     def on_start(self) -> None:
         self.rng = random.Random()
-        o = self.options
-        self.system = words_text(int(getattr(o, "system_tokens", 2000)),
-                                 f"paced-{getattr(o, 'prompt_seed', 0)}",
-                                 self.tokenizer())
-        time.sleep(self.rng.random() * float(getattr(o, "pacing_s", 2.0)))  # spread starts
+        self.system: str | None = None  # made at the first request (the tokenizer known)
+        time.sleep(self.rng.random() * float(getattr(self.options, "pacing_s", 2.0)))
 
     @task
     def ask(self) -> None:
         self._last_start = time.monotonic()
+        self.model()  # before anything changes: it may give the task up (RescheduleTask)
+        if self.system is None:
+            o = self.options
+            self.system = words_text(int(getattr(o, "system_tokens", 2000)),
+                                     f"paced-{getattr(o, 'prompt_seed', 0)}", self.tokenizer())
         q = self.rng.choice(mt_bench_turns())
         extra = {"ignore_eos": True} if getattr(self.options, "ignore_eos", True) else {}
         self.chat([{"role": "system", "content": self.system}, {"role": "user", "content": q}],
@@ -524,47 +588,29 @@ class TraceReplayUser(OpenAIUser):
             if TraceReplayUser._schedule is None:
                 try:
                     rows = self._schedule_rows()
-                except ValueError as exc:  # the run cannot go on: said once, then it quits
+                except TraceError as exc:  # the run cannot go on: said once, then it ends
                     _abort(self.environment, str(exc))
                     TraceReplayUser._schedule = {"error": str(exc)}
                 else:
+                    if not rows:  # another worker's share holds them all
+                        logger.info("no trace row falls to this worker: its users stop")
                     TraceReplayUser._schedule = {"rows": rows, "next": itertools.count(),
                                                  "done": 0, "t0": time.monotonic()}
             return TraceReplayUser._schedule
 
     def _schedule_rows(self) -> list[dict]:
-        """This process's rows: the trace, cut by ``--trace-limit`` and
-        ``--trace-max-input-tokens``, without the rows that do not fit the served model's
-        context (``max_model_len`` of its model card: prompt and capped output; the number
-        left out is logged), then this worker's share.
+        """This process's rows: ``trace_schedule``'s, without the rows that do not fit the
+        served model's context (``max_model_len`` of its model card: prompt and capped
+        output; the number left out is logged; unchecked, and said so, while the card is
+        unknown), then this worker's share (empty when other workers hold every row).
 
         Raises:
-            ValueError: the trace cannot be read, ``--trace-speed`` is not above 0, or no
-                row is left.
+            TraceError: as ``trace_schedule``, or no row fits the context.
         """
         o = self.options
-        if not float(getattr(o, "trace_speed", 1.0)) > 0:
-            raise ValueError(f"--trace-speed must be above 0, not "
-                             f"{getattr(o, 'trace_speed', None)}")
-        path = getattr(o, "trace", None) or MOONCAKE_CONVERSATION
-        try:
-            rows = trace_rows(path)
-            rows = [r for r in rows if int(r["input_length"]) >= 0
-                    and int(r["output_length"]) >= 0 and isinstance(r["hash_ids"], list)]
-        except (OSError, EOFError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"--trace {path}: not a readable Mooncake-format trace (JSON lines "
-                             f"with timestamp, input_length, output_length, hash_ids): "
-                             f"{type(exc).__name__}: {exc}") from None
-        why = []
-        limit = int(getattr(o, "trace_limit", 0) or 0)
-        if limit:
-            rows = rows[:limit]
-            why.append(f"--trace-limit {limit}")
-        longest = int(getattr(o, "trace_max_input_tokens", 0) or 0)
-        if longest:
-            rows = [r for r in rows if r["input_length"] <= longest]
-            why.append(f"--trace-max-input-tokens {longest}")
-        context = (self.model_card() or {}).get("max_model_len")
+        rows, why = trace_schedule(o)
+        card = self.model_card()
+        context = (card or {}).get("max_model_len")
         if isinstance(context, int) and context > 0:
             cap = int(getattr(o, "max_output_tokens", 512))
             fits = [r for r in rows
@@ -573,20 +619,22 @@ class TraceReplayUser(OpenAIUser):
                 logger.info("%d trace rows left out: longer than the model's context, "
                             "max_model_len %d (prompt and output capped at %d tokens)",
                             len(rows) - len(fits), context, cap)
+            if not fits:
+                raise TraceError(f"no trace rows to replay after {', '.join(why)}"
+                                 f"{', ' if why else ''}the model's max_model_len {context}")
             rows = fits
-            why.append(f"the model's max_model_len {context}")
+        elif card is None:
+            logger.warning("the served model's context length is unknown (GET /v1/models "
+                           "has not answered): trace rows are not checked against it")
         runner = self.environment.runner
         if isinstance(runner, WorkerRunner):
             n = max(int(getattr(o, "expect_workers", 1) or 1), 1)
             rows = rows[runner.worker_index % n::n]
-            why.append(f"this worker's share (1 in {n})")
-        if not rows:
-            raise ValueError(f"no trace rows to replay from {path}"
-                             + (f" after {', '.join(why)}" if why else ""))
         return rows
 
     @task
     def replay_next_row(self) -> None:
+        self.model()  # before a row is taken: it may give the task up (RescheduleTask)
         sched = self._rows()
         if "error" in sched:
             self.stop()
@@ -606,7 +654,7 @@ class TraceReplayUser(OpenAIUser):
                               self.tokenizer(),
                               seed=str(getattr(o, "prompt_seed", "0")))
         try:
-            self.complete(prompt, max(min(int(row["output_length"]),
+            self.complete(prompt, max(min(row["output_length"],
                                           int(getattr(o, "max_output_tokens", 512))), 1),
                           name="trace", temperature=0, ignore_eos=True)
         finally:
@@ -616,6 +664,53 @@ class TraceReplayUser(OpenAIUser):
                 logger.info("trace replayed: %d rows", sched["done"])
                 import gevent
                 gevent.spawn_later(0.2, self.environment.runner.quit)
+
+
+class TraceError(ValueError):
+    """A trace replay that cannot run: the message says why."""
+
+
+def trace_schedule(options) -> tuple[list[dict], list[str]]:
+    """The rows ``TraceReplayUser`` replays by its options, before the served model's
+    context and the workers' shares: the trace (``--trace``, default the Mooncake
+    conversation trace), its first ``--trace-limit`` rows, without those longer than
+    ``--trace-max-input-tokens``; rows with ``timestamp`` (ms), ``input_length`` and
+    ``output_length`` as numbers and ``hash_ids`` a list. Returns (rows, the cuts applied,
+    as words for a message).
+
+    Raises:
+        TraceError: ``--trace-speed`` is not above 0, the trace cannot be read as a
+            Mooncake-format trace, or no row is left.
+    """
+    o = options
+    speed = getattr(o, "trace_speed", 1.0)
+    if not (isinstance(speed, (int, float)) and speed > 0):
+        raise TraceError(f"--trace-speed must be above 0, not {speed}")
+    path = getattr(o, "trace", None) or MOONCAKE_CONVERSATION
+    try:
+        rows = [{**r, "timestamp": float(r["timestamp"]),
+                 "input_length": int(r["input_length"]),
+                 "output_length": int(r["output_length"]),
+                 "hash_ids": [int(h) for h in r["hash_ids"]]} for r in trace_rows(path)]
+        if any(r["input_length"] < 0 or r["output_length"] < 0 for r in rows):
+            raise ValueError("a negative length")
+    except Exception as exc:  # noqa: BLE001 - whatever the file holds: one clear line
+        raise TraceError(f"--trace {path}: not a readable Mooncake-format trace (JSON lines "
+                         f"with timestamp, input_length, output_length, hash_ids): "
+                         f"{type(exc).__name__}: {exc}") from None
+    why = []
+    limit = int(getattr(o, "trace_limit", 0) or 0)
+    if limit:
+        rows = rows[:limit]
+        why.append(f"--trace-limit {limit}")
+    longest = int(getattr(o, "trace_max_input_tokens", 0) or 0)
+    if longest:
+        rows = [r for r in rows if r["input_length"] <= longest]
+        why.append(f"--trace-max-input-tokens {longest}")
+    if not rows:
+        raise TraceError(f"no trace rows to replay from {path}"
+                         + (f" after {', '.join(why)}" if why else ""))
+    return rows, why
 
 
 # ---------------------------------------------------------------------------------------------
@@ -665,39 +760,87 @@ def _add_options(parser) -> None:
                    help="TraceReplayUser: leave out rows with longer prompts (0: none)")
 
 
+ABORT_MESSAGE = "prefix_router_abort"  # a worker's message to its master: the run ends
+
+
 def _abort(environment, message: str) -> None:
-    """End the run: ``message`` logged once as an error, exit code 2 (a usage error)."""
+    """End the run on an error of its options: ``message`` logged once, exit code 2. A
+    worker sends it to its master, which ends the whole run (``_on_abort``); in the web
+    UI the test stops and the UI stays, for a corrected test."""
+    runner = environment.runner
+    if isinstance(runner, WorkerRunner):
+        logger.error("%s: the run ends (the master is told)", message)
+        runner.send_message(ABORT_MESSAGE, message)
+        return
     logger.error("%s: the run ends", message)
     environment.process_exit_code = 2
     import gevent
-    if environment.runner is not None:
-        gevent.spawn_later(0.1, environment.runner.quit)
+    if runner is not None:
+        headless = bool(getattr(environment.parsed_options, "headless", True))
+        gevent.spawn_later(0.1, runner.quit if headless else runner.stop)
+
+
+def _on_abort(environment, msg, **kw) -> None:
+    """The master's side of ``_abort``: a worker's options error ends the run."""
+    _abort(environment, f"a worker: {msg.data}")
 
 
 @events.init.add_listener
-def _check_host(environment, **kw) -> None:
-    """A ``--host`` that is not an ``http://`` or ``https://`` URL ends locust before any
-    user starts (exit code 2); one that ends in ``/v1`` is warned of (the kit adds
-    ``/v1/...`` itself)."""
-    host = environment.host or ""
-    if not host:  # a worker takes the master's
+def _check_options(environment, **kw) -> None:
+    """Before any user starts: a ``--host`` that is not an ``http://`` or ``https://`` URL,
+    or (with ``TraceReplayUser``) a trace it cannot replay (``trace_schedule``), ends
+    locust with exit code 2; a ``--host`` ending in ``/v1`` is warned of (the kit adds
+    ``/v1/...`` itself). A worker takes its host and options from its master, which
+    checks them; the master hears of a worker's own errors (``_on_abort``)."""
+    runner = environment.runner
+    if isinstance(runner, MasterRunner):
+        runner.register_message(ABORT_MESSAGE, _on_abort)
+    if isinstance(runner, WorkerRunner):
         return
-    if urlparse(host).scheme not in ("http", "https"):
+    host = environment.host or ""
+    if host and urlparse(host).scheme not in ("http", "https"):
         logger.error("--host %r is not an http:// or https:// URL: locust ends", host)
         raise SystemExit(2)
     if host.rstrip("/").endswith("/v1"):
         logger.warning("--host %s ends in /v1: the kit adds /v1/... itself (give the "
                        "server's root)", host)
+    if TraceReplayUser in (environment.user_classes or []) and environment.parsed_options:
+        try:
+            trace_schedule(environment.parsed_options)
+        except TraceError as exc:
+            logger.error("%s: locust ends", exc)
+            raise SystemExit(2) from None
+
+
+@events.test_start.add_listener
+def _new_test(environment, **kw) -> None:
+    """A new test (the web UI can start several): its own trace schedule and counts."""
+    with TraceReplayUser._schedule_lock:
+        TraceReplayUser._schedule = None
+    _IN_FLIGHT_AT_STOP[0] = None
+
+
+@events.test_stopping.add_listener
+def _stopping(environment, **kw) -> None:
+    """The requests still in flight as the test stops (before its users are killed)."""
+    _IN_FLIGHT_AT_STOP[0] = _IN_FLIGHT[0]
 
 
 @events.report_to_master.add_listener
 def _report(client_id, data, **kw) -> None:
     data["prefix_router_replicas"] = REPLICAS.take()
+    if _IN_FLIGHT_AT_STOP[0]:
+        data["prefix_router_in_flight"] = _IN_FLIGHT_AT_STOP[0]
+
+
+_WORKERS_IN_FLIGHT: dict[str, int] = {}  # the master's: each worker's requests in flight at stop
 
 
 @events.worker_report.add_listener
 def _worker_report(client_id, data, **kw) -> None:
     REPLICAS.merge(data.get("prefix_router_replicas") or {})
+    if data.get("prefix_router_in_flight"):
+        _WORKERS_IN_FLIGHT[client_id] = int(data["prefix_router_in_flight"])
 
 
 @events.init.add_listener
@@ -802,9 +945,10 @@ def _at_end(environment, **kw) -> None:
     s = summary(environment)
     print("\nprefix-router summary: " + json.dumps({k: v for k, v in s.items()
                                                     if k != "replicas"}))
-    if _IN_FLIGHT[0]:
-        print(f"prefix-router: {_IN_FLIGHT[0]} requests still in flight at the end, not "
-              f"counted (their answers had not ended)")
+    in_flight = (_IN_FLIGHT_AT_STOP[0] or 0) + sum(_WORKERS_IN_FLIGHT.values())
+    if in_flight:
+        print(f"prefix-router: {in_flight} requests still in flight when the test stopped, "
+              f"not counted (their answers had not ended)")
     if not s["requests"] and environment.process_exit_code is None:
         print("prefix-router: no inference request finished in this run")
         environment.process_exit_code = 1

@@ -281,9 +281,10 @@ class EngineProcess:
                 except httpx.HTTPError:
                     pass
                 await asyncio.sleep(0.5)
+        errors = self.start_errors()  # before the stop adds its own lines
         await self.stop()
         raise EngineStartError(f"engine not healthy after {self.settings.engine_start_timeout_s}"
-                               f" s:\n{self.start_errors()}{self.log_tail()}")
+                               f" s:\n{errors}{self.log_tail()}")
 
     def alive(self) -> bool:
         """The process runs and has answered its health check since it was started."""

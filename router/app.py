@@ -238,7 +238,8 @@ class Ingress:
             metrics.inc("requests", 1, tags={"route": route, "status": "500"})
             err = OpenAIError(500, f"internal router error: {type(exc).__name__}",
                               "InternalServerError")
-            return JSONResponse(err.body(), status_code=500)
+            return JSONResponse(err.body(), status_code=500,
+                                headers=err.response_headers(time.perf_counter() - t0))
         metrics.inc("requests", 1, tags={"route": route, "status": str(resp.status_code)})
         return resp
 

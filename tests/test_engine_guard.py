@@ -161,7 +161,8 @@ async def test_an_engines_start_failure_names_its_root_cause(tmp_path):
 
     proc = Failing(Settings(engine="sim"), EnginePorts.allocate("failing"), topic="t",
                    device="cpu", log_dir=str(tmp_path))
-    proc.log_path.write_text("ValueError: an earlier start's failure\n    x\n")
+    proc.log_path.write_text('Traceback (most recent call last):\n  File "x.py", line 1\n'
+                             "ValueError: an earlier start's failure\n")
     with pytest.raises(EngineStartError) as e:
         await proc.start()
     message = str(e.value)

@@ -703,8 +703,11 @@ class RoutingCore:
             now = self.load.clock.now()
             if (self._outage_logged_at is None
                     or now - self._outage_logged_at >= self.OUTAGE_LOG_INTERVAL_S):
-                more = (f"; {self._outages_unlogged} shorter outages since the last line "
-                        f"were not logged" if self._outages_unlogged else "")
+                # an outage counted at its start as not logged, and logged now that it
+                # outlasted the interval, is not one of those not logged
+                unlogged = self._outages_unlogged - (0 if self._index_available else 1)
+                more = (f"; {unlogged} shorter outages since the last line were not logged"
+                        if unlogged > 0 else "")
                 logger.warning("prefix index unavailable (%s): routing by load until it "
                                "returns%s", exc, more)
                 self._told_available = False
@@ -736,6 +739,7 @@ async def finish_releases(timeout_s: float) -> int:
     """Wait up to ``timeout_s`` (s) for this event loop's releases and late settlements
     still running (``_background``), at a router's stop: a lease released here is one
     that other routers need not find and sweep once this router's heartbeat has expired.
+    Only this loop's: those of Serve's request router, on its own loop, are not waited for.
 
     Returns:
         How many were still running when the time was up (they are left running).
@@ -743,7 +747,8 @@ async def finish_releases(timeout_s: float) -> int:
     import asyncio
 
     loop = asyncio.get_running_loop()
-    pending = {t for t in _RELEASING if not t.done() and t.get_loop() is loop}
+    # a copy first: Serve's request router adds to the set from its own loop's thread
+    pending = {t for t in list(_RELEASING) if not t.done() and t.get_loop() is loop}
     if not pending:
         return 0
     _, pending = await asyncio.wait(pending, timeout=timeout_s)

@@ -582,7 +582,8 @@ class KeepAliveStreamingResponse(RelayResponse):
     ``answer`` is the task that admits, routes and dispatches the request and returns the
     response it would have sent. Until it is done, an SSE comment (``KEEPALIVE``) goes out
     every ``interval_s``; then the answer's stream follows (its headers, sent already, are
-    lost: the router's ``x-routed-replica`` and its kind are absent from such a response).
+    lost: the router's ``x-routed-replica`` and its kind are absent from such a response;
+    it carries ``x-data-path``).
     An answer that is an error (an ``OpenAIError``, such as the admission's 429, or an
     engine's non-200 body) becomes one SSE error event and ``[DONE]``. The comments are not
     the engine's bytes: the retry of a failed first attempt is still allowed after them.

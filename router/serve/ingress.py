@@ -491,7 +491,8 @@ class IngressCore:
         if done:
             return answer.result()
         metrics.inc("keepalive_streams", tags={"route": route})
-        return KeepAliveStreamingResponse(answer, interval)
+        return KeepAliveStreamingResponse(answer, interval, headers={
+            "x-data-path": "direct" if issubclass(attempt_cls, DirectAttempt) else "serve"})
 
     async def _answer(self, req: RoutedRequest, attempt_cls: type[Attempt], route: str,
                       priority: int) -> Response:
@@ -554,7 +555,8 @@ class IngressCore:
             logger.error("request %s failed (attempt %d): %s", req.request_id, attempt,
                          head.error)
             err = OpenAIError(head.status, head.error, "ServiceUnavailableError"
-                              if head.status == 503 else "InternalServerError")
+                              if head.status == 503 else "InternalServerError",
+                              headers={"x-routed-replica": head.replica_id})
             return JSONResponse(err.body(), status_code=head.status, headers=err.response_headers(
                 time.perf_counter() - req.t_arrival if req.t_arrival else None))
         return self._respond(dispatch, head, body)
