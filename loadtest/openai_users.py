@@ -43,6 +43,7 @@ has (run locust as its own process, also from tests).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import logging
@@ -670,6 +671,28 @@ class TraceError(ValueError):
     """A trace replay that cannot run: the message says why."""
 
 
+@functools.lru_cache(maxsize=1)
+def _read_trace(path: str) -> list[dict]:
+    """The trace at ``path`` with its numbers as numbers, read once per process (the
+    options' check at start and the schedule both need it; callers do not change it).
+
+    Raises:
+        TraceError: it cannot be read as a Mooncake-format trace.
+    """
+    try:
+        rows = [{**r, "timestamp": float(r["timestamp"]),
+                 "input_length": int(r["input_length"]),
+                 "output_length": int(r["output_length"]),
+                 "hash_ids": [int(h) for h in r["hash_ids"]]} for r in trace_rows(path)]
+        if any(r["input_length"] < 0 or r["output_length"] < 0 for r in rows):
+            raise ValueError("a negative length")
+    except Exception as exc:  # noqa: BLE001 - whatever the file holds: one clear line
+        raise TraceError(f"--trace {path}: not a readable Mooncake-format trace (JSON lines "
+                         f"with timestamp, input_length, output_length, hash_ids): "
+                         f"{type(exc).__name__}: {exc}") from None
+    return rows
+
+
 def trace_schedule(options) -> tuple[list[dict], list[str]]:
     """The rows ``TraceReplayUser`` replays by its options, before the served model's
     context and the workers' shares: the trace (``--trace``, default the Mooncake
@@ -686,18 +709,8 @@ def trace_schedule(options) -> tuple[list[dict], list[str]]:
     speed = getattr(o, "trace_speed", 1.0)
     if not (isinstance(speed, (int, float)) and speed > 0):
         raise TraceError(f"--trace-speed must be above 0, not {speed}")
-    path = getattr(o, "trace", None) or MOONCAKE_CONVERSATION
-    try:
-        rows = [{**r, "timestamp": float(r["timestamp"]),
-                 "input_length": int(r["input_length"]),
-                 "output_length": int(r["output_length"]),
-                 "hash_ids": [int(h) for h in r["hash_ids"]]} for r in trace_rows(path)]
-        if any(r["input_length"] < 0 or r["output_length"] < 0 for r in rows):
-            raise ValueError("a negative length")
-    except Exception as exc:  # noqa: BLE001 - whatever the file holds: one clear line
-        raise TraceError(f"--trace {path}: not a readable Mooncake-format trace (JSON lines "
-                         f"with timestamp, input_length, output_length, hash_ids): "
-                         f"{type(exc).__name__}: {exc}") from None
+    path = str(getattr(o, "trace", None) or MOONCAKE_CONVERSATION)
+    rows = _read_trace(path)
     why = []
     limit = int(getattr(o, "trace_limit", 0) or 0)
     if limit:

@@ -171,10 +171,10 @@ def standalone_engine(model_dir):
     them: ``(EngineProcess, EnginePorts)``. Stopped at the end of the session."""
     import asyncio
 
-    from replicas.engine import EnginePorts, EngineProcess
-    from router.config import Settings
+    import warnings
 
-    from replicas.engine import EngineStartError
+    from replicas.engine import EnginePorts, EngineProcess, EngineStartError
+    from router.config import Settings
 
     loop = asyncio.new_event_loop()  # the process's watcher lives on this loop
     for attempt in (1, 2):
@@ -190,7 +190,6 @@ def standalone_engine(model_dir):
         except EngineStartError as exc:
             if attempt == 2 or not str(exc).startswith("engine exited"):
                 raise  # one not healthy in time would only wait as long again
-            import warnings
             warnings.warn(f"the standalone engine failed to start; starting it again: {exc}")
     yield proc, ports
     loop.run_until_complete(proc.stop())

@@ -298,6 +298,23 @@ async def test_another_key_layout_in_the_namespace_routes_by_load_then_the_index
         admin.close()
 
 
+def _redis_ingress(model_dir, engines, redis_url: str):
+    """An ingress of the two engines (round robin) on the Redis at ``redis_url``, in a
+    namespace of its own: (the ingress, its namespace, a plain client of that Redis). The
+    caller clears ``replica_infos`` from ``state`` when done."""
+    import uuid
+
+    import redis as sync_redis
+
+    infos = tuple(ReplicaInfo(r, {"engine_url": engines.urls[r]}, {"engine_alive": True})
+                  for r in ("a", "b"))
+    state.put("replica_infos", infos)
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    c = IngressCore(Settings(model=str(model_dir), index_namespace=ns, policy="round_robin",
+                             redis_url=redis_url), engine_handle=None)
+    return c, ns, sync_redis.Redis.from_url(redis_url)
+
+
 async def test_an_answer_does_not_wait_for_a_release_that_a_hanging_redis_holds(
         model_dir, engines, own_redis):
     """An operator's review: with Redis paused, every answer that is not streamed came
@@ -305,19 +322,10 @@ async def test_an_answer_does_not_wait_for_a_release_that_a_hanging_redis_holds(
     closes). The answer now waits for the release at most the routing deadline; the
     release is taken in the background once Redis answers."""
     import asyncio
-    import uuid
-
-    import redis as sync_redis
 
     from router.index.redis import RedisConnections
 
-    infos = tuple(ReplicaInfo(r, {"engine_url": engines.urls[r]}, {"engine_alive": True})
-                  for r in ("a", "b"))
-    state.put("replica_infos", infos)
-    ns = f"t-{uuid.uuid4().hex[:8]}"
-    c = IngressCore(Settings(model=str(model_dir), index_namespace=ns, policy="round_robin",
-                             redis_url=own_redis.url), engine_handle=None)
-    admin = sync_redis.Redis.from_url(own_redis.url)
+    c, ns, admin = _redis_ingress(model_dir, engines, own_redis.url)
     try:
         assert (await c.handle(COMPLETIONS_PATH, _body(), time.perf_counter())
                 ).status_code == 200
@@ -345,17 +353,7 @@ async def test_the_ingress_stop_waits_for_the_releases_still_running(model_dir, 
     """A release that a slow Redis holds when the ingress stops is waited for (up to the
     maintenance bound): it is taken when ``close`` returns, not left for the other
     routers' sweep after this router's heartbeat expires."""
-    import uuid
-
-    import redis as sync_redis
-
-    infos = tuple(ReplicaInfo(r, {"engine_url": engines.urls[r]}, {"engine_alive": True})
-                  for r in ("a", "b"))
-    state.put("replica_infos", infos)
-    ns = f"t-{uuid.uuid4().hex[:8]}"
-    c = IngressCore(Settings(model=str(model_dir), index_namespace=ns, policy="round_robin",
-                             redis_url=own_redis.url), engine_handle=None)
-    admin = sync_redis.Redis.from_url(own_redis.url)
+    c, ns, admin = _redis_ingress(model_dir, engines, own_redis.url)
     try:
         assert (await c.handle(COMPLETIONS_PATH, _body(), time.perf_counter())
                 ).status_code == 200
