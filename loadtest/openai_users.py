@@ -831,6 +831,7 @@ def _new_test(environment, **kw) -> None:
     with TraceReplayUser._schedule_lock:
         TraceReplayUser._schedule = None
     _IN_FLIGHT_AT_STOP[0] = None
+    _WORKERS_IN_FLIGHT.clear()  # the master's: the last test's counts, not the session's
 
 
 @events.test_stopping.add_listener
@@ -842,8 +843,9 @@ def _stopping(environment, **kw) -> None:
 @events.report_to_master.add_listener
 def _report(client_id, data, **kw) -> None:
     data["prefix_router_replicas"] = REPLICAS.take()
-    if _IN_FLIGHT_AT_STOP[0]:
-        data["prefix_router_in_flight"] = _IN_FLIGHT_AT_STOP[0]
+    # always sent (0 while the test runs), so that a count of an earlier test that reaches
+    # the master after its new test started is replaced by the next report
+    data["prefix_router_in_flight"] = _IN_FLIGHT_AT_STOP[0] or 0
 
 
 _WORKERS_IN_FLIGHT: dict[str, int] = {}  # the master's: each worker's requests in flight at stop
@@ -852,7 +854,7 @@ _WORKERS_IN_FLIGHT: dict[str, int] = {}  # the master's: each worker's requests 
 @events.worker_report.add_listener
 def _worker_report(client_id, data, **kw) -> None:
     REPLICAS.merge(data.get("prefix_router_replicas") or {})
-    if data.get("prefix_router_in_flight"):
+    if "prefix_router_in_flight" in data:
         _WORKERS_IN_FLIGHT[client_id] = int(data["prefix_router_in_flight"])
 
 

@@ -231,3 +231,28 @@ def test_failure_kind_groups_http_errors_by_their_text_not_their_numbers():
         'HTTP 400: {"message": "context is N tokens, prompt N"}'
     refused = "no answer: ConnectionError: HTTPConnectionPool(host='127.0.0.1', port=8999)"
     assert failure_kind(refused) == refused
+
+
+def test_the_masters_in_flight_count_is_the_last_tests():
+    """The web UI runs several tests in one process: the master summed every test's
+    requests in flight at its stop, and a worker's count of an earlier test that reached
+    the master after a new test started stayed. Run in a process of its own (importing
+    locust patches the process with gevent)."""
+    script = """
+import loadtest.openai_users as k
+k._worker_report("w1", {"prefix_router_in_flight": 3})
+k._worker_report("w2", {"prefix_router_in_flight": 2})
+assert sum(k._WORKERS_IN_FLIGHT.values()) == 5
+k._new_test(environment=None)                            # the master starts a new test
+assert k._WORKERS_IN_FLIGHT == {}
+k._worker_report("w1", {"prefix_router_in_flight": 3})   # late: the earlier test's count
+data = {}
+k._report("w1", data)                                    # the worker's next report
+assert data["prefix_router_in_flight"] == 0, data
+k._worker_report("w1", data)
+assert sum(k._WORKERS_IN_FLIGHT.values()) == 0, k._WORKERS_IN_FLIGHT
+print("ok")
+"""
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout + p.stderr
