@@ -131,6 +131,34 @@ def health_of(infos, configured: int) -> tuple[int, dict[str, Any]]:
         "configured_replicas": configured}
 
 
+# Serve's replica states of a replica it keeps (not one it stops): ray.serve._private.common
+# ReplicaState, as serve.status() reports them
+_KEPT_REPLICA_STATES = frozenset({"STARTING", "UPDATING", "RECOVERING", "RUNNING",
+                                  "PENDING_MIGRATION"})
+# the deployment's states in which its replicas are the ones its config asks for (while
+# it deploys, UPDATING, Serve may not have made them all yet)
+_SETTLED_DEPLOYMENT_STATES = frozenset({"HEALTHY", "UNHEALTHY", "UPSCALING", "DOWNSCALING"})
+
+
+def engine_replicas_configured(settings, deployment: dict | None) -> int:
+    """The engine replicas ``/health`` is ``ready`` with, Serve's own: with a fixed count,
+    the replicas Serve keeps of the engine deployment (those not stopping, from
+    ``serve.status()``, as ``_engine_deployment_status`` gives it), so that a
+    ``deployments:`` override of ``num_replicas`` (applied in place, the application's
+    arguments unchanged) is counted; ``settings.configured_replicas`` (``num_replicas``, or
+    with autoscaling ``min_replicas``) while Serve's status is not known or the deployment
+    is still being deployed or updated. ``deployment``: ``{"status": "DeploymentStatus.X"
+    or "X", "replica_states": {state: count}}`` or None."""
+    if deployment is None or settings.autoscaling_config is not None:
+        return settings.configured_replicas
+    status = str(deployment.get("status", "")).rsplit(".", 1)[-1]
+    if status not in _SETTLED_DEPLOYMENT_STATES:
+        return settings.configured_replicas
+    kept = sum(int(n) for st, n in (deployment.get("replica_states") or {}).items()
+               if str(st).rsplit(".", 1)[-1] in _KEPT_REPLICA_STATES)
+    return kept or settings.configured_replicas
+
+
 def freeze_startup_heap() -> int:
     """Collect what start-up left behind, then move every object still alive to the garbage
     collector's permanent generation (``gc.freeze``): later collections, the full ones
@@ -297,11 +325,12 @@ class Ingress:
         ``ready`` once every configured replica's engine is up, ``degraded`` while some are
         missing or down (and then Serve's own status of the engine deployment, which names
         a replica that keeps failing its start)."""
-        configured = self.settings.configured_replicas + \
+        deployment = await self._engine_deployment_status()
+        configured = engine_replicas_configured(self.settings, deployment) + \
             (len(self.fleet.replicas) if self.fleet is not None else 0)
         code, body = health_of(state.replica_infos(), configured)
         if not body["ready"]:
-            body["engine_deployment"] = await self._engine_deployment_status()
+            body["engine_deployment"] = deployment
         return JSONResponse(body, status_code=code)
 
     async def _engine_deployment_status(self) -> dict | None:

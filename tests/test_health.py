@@ -118,3 +118,34 @@ def test_health_answers_503_while_no_replica_can_serve():
         (200, "degraded", False, 1)
     code, body = health_of(infos(True, True), 2)
     assert (code, body["status"], body["ready"]) == (200, "ok", True)
+
+
+def test_ready_counts_the_replicas_serve_keeps_after_a_deployments_override():
+    """An operator's review: after a ``deployments:`` override of ``num_replicas`` (applied in
+    place, the application's arguments unchanged) ``/health`` counted the arguments' count,
+    so it said ``degraded`` forever after a scale-in and ``ready`` too early after a
+    scale-out. The deployment status is shaped as ``serve.status()`` gives it
+    (``Ingress._engine_deployment_status``: its enums as ``str()`` writes them)."""
+    from ray.serve._private.common import DeploymentStatus, ReplicaState
+
+    from router.app import engine_replicas_configured
+
+    def dep(status, **states):
+        return {"status": str(status), "message": "",
+                "replica_states": {str(ReplicaState[k]): n for k, n in states.items()}}
+
+    fixed = Settings(num_replicas=4)
+    # scaled out to 12 by the override: 4 run, 8 start
+    assert engine_replicas_configured(
+        fixed, dep(DeploymentStatus.UPSCALING, RUNNING=4, STARTING=8)) == 12
+    # scaled in to 2: the replicas Serve stops are not counted
+    assert engine_replicas_configured(
+        fixed, dep(DeploymentStatus.DOWNSCALING, RUNNING=2, STOPPING=2)) == 2
+    assert engine_replicas_configured(fixed, dep(DeploymentStatus.HEALTHY, RUNNING=2)) == 2
+    # still deploying, or Serve's status not known: the arguments' count
+    assert engine_replicas_configured(
+        fixed, dep(DeploymentStatus.UPDATING, STARTING=1)) == 4
+    assert engine_replicas_configured(fixed, None) == 4
+    # autoscaling: min_replicas, whatever Serve runs now
+    auto = Settings(autoscaling_config={"min_replicas": 2, "max_replicas": 5})
+    assert engine_replicas_configured(auto, dep(DeploymentStatus.HEALTHY, RUNNING=5)) == 2
