@@ -44,6 +44,7 @@ from loadtest.report import percentile as pct
 from router.index.redis import RedisConnections, RedisPrefixIndex
 from router.kv_events.wire import EventKind, KVEvent
 from router.load.redis import RedisLoadTracker
+from router.redis_keys import entries_in
 from router.routing.atomic import AtomicRoute
 from router.serve import state
 
@@ -191,7 +192,7 @@ async def bench_turns(url: str, turns: int = 3000, conversations: int = 32,
     scans, hmgets, hmget_us = scans - scans0, hmgets - hmgets0, hmget_us - hmget_us0
     fields = 0
     for r in replicas:
-        fields += await stats.hlen(index.keys.predicted(r))
+        fields += entries_in(await stats.hlen(index.keys.predicted(r)))
     await stats.aclose()
     await load.close()
     await index.flush()

@@ -14,6 +14,9 @@ and written one key per command, so they need no tag; a tenant's rate counters, 
 together by one script, share the tag of the tenant's digest.
 
 Block hashes are field names of 8 bytes (the 64-bit hash, big-endian: ``block_fields``).
+Each hash of the index (``<ns>:x:<replica>``, ``<ns>:p:<replica>``, ``<ns>:roots``) is made
+with one more field, ``TABLE_FIELD``, that keeps Redis's encoding a hash table
+(``lua/sweep.lua`` ``as_table``): its entries are its length less one.
 
 * ``<ns>:x:<replica>``: hash ``block hash -> physical copies`` the engine holds (exact
   entries, from KV events; ``lua/apply_events.lua``);
@@ -69,7 +72,7 @@ _LUA_DIR = Path(__file__).with_name("lua")
 # The version of the layout above: raise it with every change of a key's name, type or
 # value format that a router of the previous version would misread. Routers of two layouts
 # never use one namespace's keys at the same time (router.index.layout).
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2  # 2: the index's hashes carry TABLE_FIELD
 
 
 def check_replica_id(replica: str) -> str:
@@ -402,6 +405,18 @@ def acl_rules(namespace: str = "prefix-router", cluster: bool = False) -> list[s
 
 
 BLOCK_FIELD_BYTES = 8
+
+# The field every hash of the index is made with (``lua/sweep.lua`` ``as_table``: the name
+# of 1 byte, no block's; its value of 128 bytes, longer than Redis's
+# hash-max-listpack-value, 64 by default, so Redis keeps the hash a hash table from its
+# start: a listpack's HMGET finds each field by a linear scan).
+TABLE_FIELD = b"~"
+
+
+def entries_in(hash_length: int) -> int:
+    """The block entries of an index hash of ``hash_length`` fields (``HLEN``): all but
+    ``TABLE_FIELD`` (0 for a hash that does not exist)."""
+    return max(int(hash_length) - 1, 0)
 
 
 def pack_hashes(block_hashes: Sequence[int]) -> bytes:

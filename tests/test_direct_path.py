@@ -13,6 +13,7 @@ from aiohttp import web
 
 from router.config import Settings
 from router.prompt.render import COMPLETIONS_PATH
+from router.redis_keys import LAYOUT_VERSION
 from router.routing.replica import ReplicaInfo
 from router.serve import state
 from router.serve.ingress import IngressCore
@@ -288,7 +289,7 @@ async def test_another_key_layout_in_the_namespace_routes_by_load_then_the_index
                 break
             await asyncio.sleep(0.05)
         assert reasons[-1] in ("cache", "load"), reasons
-        assert guard.others == [] and list(admin.hgetall(f"{ns}:layouts")) == [b"1"]
+        assert guard.others == [] and list(admin.hgetall(f"{ns}:layouts")) == [str(LAYOUT_VERSION).encode()]
     finally:
         await core.engine_client().close()
         await state.redis_connections(settings).close()

@@ -17,6 +17,7 @@ from router.kv_events.wire import KVEvent
 from router.load.redis import RedisLoadTracker
 from router.policy import Candidate, PrefixAware, RouteRequest
 from router.routing.atomic import AtomicRoute
+from router.redis_keys import TABLE_FIELD, entries_in
 from router.routing.core import RoutingCore
 from router.routing.replica import ReplicaInfo
 from tests.conftest import random_holdings
@@ -303,7 +304,7 @@ async def test_predicted_entries_are_written_past_the_exact_run_and_expired_ones
     assert chosen == "a" and matched == {"a": 2}
     client = index.conn.client()
     fields = list(await client.hgetall(index.keys.predicted("a")))
-    assert sorted(fields) == sorted(h.to_bytes(8, "big") for h in top[2:])
+    assert sorted(fields) == sorted([TABLE_FIELD] + [h.to_bytes(8, "big") for h in top[2:]])
     assert (await index.lookup(top, ["a"]))["a"] == 4
     await load.release("q")
     for k in range(60):  # new prompts, each entry living 1 s, 1 s apart
@@ -312,7 +313,7 @@ async def test_predicted_entries_are_written_past_the_exact_run_and_expired_ones
         await load.release(f"n{k}")
         clock.advance(1.0)
     live_bound = 2 * 2 * 8 + 16  # a sweep covers twice what is written, plus 16
-    assert await client.hlen(index.keys.predicted("a")) <= live_bound + 8
+    assert entries_in(await client.hlen(index.keys.predicted("a"))) <= live_bound + 8
 
 
 @pytest.mark.parametrize("writer", ["route", "record_predicted"])
@@ -340,19 +341,19 @@ async def test_a_finished_sweep_pass_pauses_a_second_by_the_routers_clock(redis_
     await write(0.2)  # its pass ends at once: the next may start 1 s later
     clock.advance(0.5)
     await write(0.2)  # the first write's entries expired, but the sweep is paused
-    assert await client.hlen(key) == 16
+    assert entries_in(await client.hlen(key)) == 16
     clock.advance(0.6)
     await write(0.2)  # 1.1 s after the pass: a new pass removes both expired writes
-    assert await client.hlen(key) == 8
+    assert entries_in(await client.hlen(key)) == 8
     assert await client.get(key + ":cursor") == b"0"  # an HSCAN cursor, as before
     clock.advance(0.5)
     await client.set(key + ":swept", int(clock.now() * 1000) + 600_000)
     await write(0.2)  # a mark 10 minutes ahead is due at once
-    assert await client.hlen(key) == 8
+    assert entries_in(await client.hlen(key)) == 8
     clock.advance(0.5)
     await client.set(key + ":swept", int(clock.now() * 1000) + 5_000)
     await write(0.2)  # 5 s ahead (a router's clock running ahead): the pause holds
-    assert await client.hlen(key) == 16
+    assert entries_in(await client.hlen(key)) == 16
 
 
 async def test_a_prompt_sent_again_refreshes_its_predicted_entries_once_per_half_ttl(
@@ -366,7 +367,7 @@ async def test_a_prompt_sent_again_refreshes_its_predicted_entries_once_per_half
 
     async def expiries() -> dict[int, int]:
         raw = await client.hgetall(index.keys.predicted("a"))
-        return {int.from_bytes(k, "big"): int(v) for k, v in raw.items()}
+        return {int.from_bytes(k, "big"): int(v) for k, v in raw.items() if k != TABLE_FIELD}
 
     async def route(rid: str, blocks: list[int]) -> None:
         await atomic.route(rid, len(blocks) * BS, blocks, ["a"], [10.0],
@@ -448,7 +449,8 @@ async def test_the_held_prefix_walk_agrees_with_its_definition_on_mixed_entries(
                                          [ttl_ms / 1000], **route_kwargs(p, 0.0))
         assert got == {replica: matched}
         after = await client.hgetall(index.keys.predicted(replica))
-        written = {int.from_bytes(f, "big") for f, v in after.items() if int(v) == now + ttl_ms}
+        written = {int.from_bytes(f, "big") for f, v in after.items()
+                   if f != TABLE_FIELD and int(v) == now + ttl_ms}
         assert written == set(hashes[fresh:]), (case, states)
         await load.release(f"m{seed}-{case}")
 

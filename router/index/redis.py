@@ -36,7 +36,7 @@ from router.index.base import IndexBusy, IndexStats, IndexUnavailable, PrefixInd
 from router.kv_events.wire import EventKind, KVEvent
 from router.logs import get_logger
 from router.redis_keys import (GONE_TTL_S, EventOp, RedisKeys, ScriptCache, ShardGroups,
-                               block_fields, pack_hashes)
+                               block_fields, entries_in, pack_hashes)
 
 logger = get_logger(__name__)
 
@@ -609,7 +609,7 @@ class RedisPrefixIndex(PrefixIndex):
         async def run(client):
             return await client.hlen(self.keys_of(replica).exact(replica))
 
-        return int(await self.conn.call(run))
+        return entries_in(await self.conn.call(run))
 
     async def lists_root_holder(self, replica: str, root: BlockHash) -> bool:
         """See ``PrefixIndex.lists_root_holder``: one ``HGET`` of ``<ns>:roots`` (the
@@ -634,7 +634,7 @@ class RedisPrefixIndex(PrefixIndex):
                     for key in k.replica_entries(r.decode()):
                         pipe.hlen(key)
             counts = await pipe.execute()
-            return sum(counts)
+            return sum(entries_in(n) for n in counts)
 
         entries = await self.conn.call(run)
         return IndexStats(blocks=-1, entries=int(entries))

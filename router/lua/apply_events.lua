@@ -38,6 +38,7 @@ while i <= #ARGV do
     purged = true; i = i + 2
   else
     local packed = ARGV[i + 1]
+    if op ~= 'r' and #packed >= 8 then as_table(xkey) end  -- sweep.lua
     if op == 'S' and #packed >= 8 then
       if add_holder(KEYS[5], string.sub(packed, 1, 8), ARGV[1]) then listed = listed + 1 end
     end

@@ -22,6 +22,7 @@ if #hs > 0 then
     for k = 1, #part do old[c + k - 1] = part[k] end
   end
   local args = {}
+  as_table(key)  -- sweep.lua
   for k = 1, #hs do
     local o = tonumber(old[k])
     if not o or o < expiry then

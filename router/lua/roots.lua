@@ -18,6 +18,7 @@ end
 local function add_holder(rkey, root, id)
   local v = redis.call('HGET', rkey, root)
   if holds(v, id) then return false end
+  if not v then as_table(rkey) end  -- sweep.lua
   redis.call('HSET', rkey, root, (v or '\0') .. id .. '\0')
   return true
 end

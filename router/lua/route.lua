@@ -367,6 +367,7 @@ if first <= nblocks then
   local expiry = now + ttls[pick]
   local e = string.format('%d', expiry)
   local args = {}
+  as_table(pkey)  -- sweep.lua
   for i = first, nblocks do
     args[#args + 1] = H[i]; args[#args + 1] = e
     if #args >= 512 then redis.call('HSET', pkey, unpack(args)); args = {} end
