@@ -77,7 +77,7 @@ def test_short_pieces_are_kept_in_a_bounded_table_with_the_tokenizers_ids(render
     enc.SHORT_MAX = 50
     text = "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
     want = tok.encode(text, add_special_tokens=False)
-    assert enc.encode(text) == want and "user\nhi there" in enc._short
+    assert enc.encode(text) == want and (None, "user\nhi there") in enc._short
     enc._backend = None  # a second encode must not need the tokenizer
     assert enc.encode(text) == want
     enc._backend = tok._tokenizer
@@ -170,3 +170,32 @@ def test_a_long_piece_without_cut_points_is_left_whole_to_the_rest(renderer):
     assert info.token_ids == want[:len(info.token_ids)]
     info.finish()
     assert info.token_ids == want
+
+
+def test_a_piece_cached_for_one_cache_salt_is_not_found_by_another(model_dir):
+    """A security review: the tokenization cache was shared by every tenant, so a tenant
+    could tell that another had sent a document, by the faster render (``server-timing``'s
+    prepare: 1.0-1.8 ms against 3.2-5.3 ms) or by an exact token count where an estimate
+    stood (the 429 of the tokens-per-minute limit). Pieces are now cached per
+    ``cache_salt`` (the tenant's own under tenant isolation)."""
+    r = PromptRenderer(str(model_dir))
+    doc = "The quarterly figures of the secret merger, " * 450  # 20,250 characters
+
+    def render(salt):
+        body = {"model": "m", "messages": [{"role": "user", "content": doc}]}
+        if salt is not None:
+            body["cache_salt"] = salt
+        return r.render(CHAT_PATH, body, head_chars=2048)
+
+    first = render("tenant-a")
+    assert first.rest is not None  # the document is new: an estimate past the head
+    estimate = first.num_tokens
+    first.finish()  # tenant a's whole prompt encoded and cached
+    hits = r.segments.hits
+    again = render("tenant-a")
+    assert again.rest is None and r.segments.hits > hits  # a's own pieces: found
+    for other in ("tenant-b", None):
+        hits = r.segments.hits
+        probe = render(other)
+        assert probe.rest is not None and r.segments.hits == hits, other  # not found
+        assert probe.num_tokens == estimate != again.num_tokens  # the estimate, not exact

@@ -98,6 +98,14 @@ def reads_no_cache(path: str, body: dict[str, Any]) -> bool:
     return path == CHAT_PATH or body.get("logprobs") is not None
 
 
+def _scope(body: dict[str, Any]) -> str | None:
+    """The tokenization cache's scope of a request (``SegmentEncoder``): its ``cache_salt``
+    (the tenant's own under tenant isolation, ``router.serve.auth.tenant_cache_salt``), so
+    that no request finds the pieces another scope sent; None without one."""
+    salt = body.get("cache_salt")
+    return salt if isinstance(salt, str) and salt else None
+
+
 def _has_tool_calls(messages: Any) -> bool:
     """Whether some message of a chat body carries ``tool_calls``."""
     return isinstance(messages, list) and any(
@@ -265,7 +273,7 @@ class PromptRenderer:
                 text = self.tokenizer.apply_chat_template(
                     conversation, tools=tools if tools else None, tokenize=False, **kwargs)
             # outside the lock (see SegmentEncoder.encode)
-            ids, rest = self.segments.encode_head(text, head_chars)
+            ids, rest = self.segments.encode_head(text, head_chars, scope=_scope(body))
             return PromptInfo(token_ids=ids, rest=rest)  # a list of ints already
         else:
             with self._lock:
@@ -285,7 +293,8 @@ class PromptRenderer:
             if self._special_affixes is not None:
                 # piecewise and outside the lock, like chats: a huge prompt holds up no one
                 before, after = self._special_affixes if add_special else ([], [])
-                ids, rest = self.segments.encode_head(prompt, head_chars, after)
+                ids, rest = self.segments.encode_head(prompt, head_chars, after,
+                                                      scope=_scope(body))
                 return PromptInfo(token_ids=before + list(map(int, ids)), rest=rest)
             else:
                 with self._lock:

@@ -31,6 +31,7 @@ class PromptRest:
         parts: ``SegmentEncoder`` split parts after that piece (pieces at even positions,
             added tokens at odd ones, from ``parity``).
         suffix: ids the post-processor puts after the text (a completion's special tokens).
+        scope: the cache scope of the head's encoding (``SegmentEncoder.encode_head``).
         tokens_per_byte: the head's density per UTF-8 byte, for ``estimated_tokens`` (per
             byte, not per character: byte-level BPE vocabularies spend tokens on bytes, so a
             rest in another script than the head is estimated better).
@@ -38,8 +39,9 @@ class PromptRest:
 
     def __init__(self, encoder: "SegmentEncoder", chunks: list[str],
                  crossing: tuple[str, list[int]] | None, parts: list[str], parity: int,
-                 suffix: list[int], tokens_per_byte: float):
+                 suffix: list[int], tokens_per_byte: float, scope: str | None = None):
         self.encoder, self.chunks, self.crossing = encoder, chunks, crossing
+        self.scope = scope
         self.parts, self.parity, self.suffix = parts, parity, suffix
         self.nbytes = sum(map(utf8_len, chunks)) + sum(map(utf8_len, parts))
         self.estimated_tokens = round(self.nbytes * tokens_per_byte) + len(suffix)
@@ -53,8 +55,8 @@ class PromptRest:
                 self.chunks[:-1] + self.encoder._cut(self.chunks[-1]))
             if self.crossing is not None:
                 piece, head_ids = self.crossing
-                self.encoder._store(piece, head_ids + out)
-        self.encoder._encode_parts(self.parts, self.parity, out)
+                self.encoder._store(piece, head_ids + out, self.scope)
+        self.encoder._encode_parts(self.parts, self.parity, out, self.scope)
         return out + self.suffix
 
 
@@ -119,6 +121,12 @@ class SegmentEncoder:
             kept in a plain table of at most ``SHORT_MAX`` pieces, emptied when full (the
             role names and short messages of every chat, about 8 us each to encode).
         chunk_chars: chunk length of long pieces encoded in parallel (0: never).
+
+    The cache is kept by scope (``encode``'s and ``encode_head``'s ``scope``: the request's
+    ``cache_salt``, the tenant's under tenant isolation): a piece encoded in one scope is
+    encoded again in another. Shared, a piece's hit (a faster render, which
+    ``server-timing`` shows, and an exact token count where an estimate stood) would tell a
+    tenant that another sent that text.
     """
 
     ENTRY_CHARS = 100  # a cached piece's own objects, in characters of the bound (~250 B)
@@ -127,8 +135,9 @@ class SegmentEncoder:
     def __init__(self, tokenizer, max_chars: int = 8_000_000, min_chars: int = 32,
                  chunk_chars: int = 4096):
         self.max_chars, self.min_chars, self.chunk_chars = max_chars, min_chars, chunk_chars
-        self._cache: OrderedDict[str, array] = OrderedDict()
-        self._short: dict[str, list[int]] = {}  # pieces under min_chars (no lock: the GIL)
+        # (scope, piece) -> ids (the class's docstring: a piece is cached in its scope)
+        self._cache: OrderedDict[tuple[str | None, str], array] = OrderedDict()
+        self._short: dict[tuple[str | None, str], list[int]] = {}  # under min_chars (the GIL)
         self._cache_lock = threading.Lock()  # encoding itself runs outside any lock
         self._chars = 0
         self.hits = self.misses = 0
@@ -202,17 +211,17 @@ class SegmentEncoder:
         return [i for enc in self._encode_batch(chunks, add_special_tokens=False)
                 for i in enc.ids]
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, scope: str | None = None) -> list[int]:
         """Token ids of ``text`` without the post-processor's special tokens (as
         ``tokenizer.encode(text, add_special_tokens=False)``). Thread-safe: encoding only
         reads the tokenizer (shared borrows), the cache has its own lock; so one huge prompt
-        does not hold up the others."""
+        does not hold up the others. ``scope``: the cache's scope (the class's docstring)."""
         out: list[int] = []
-        self._encode_parts(self._split.split(text), 0, out)
+        self._encode_parts(self._split.split(text), 0, out, scope)
         return out
 
-    def encode_head(self, text: str, head_chars: int,
-                    suffix: list[int] | None = None) -> tuple[list[int], PromptRest | None]:
+    def encode_head(self, text: str, head_chars: int, suffix: list[int] | None = None,
+                    scope: str | None = None) -> tuple[list[int], PromptRest | None]:
         """The ids of ``text``'s first ``head_chars`` characters or so, and its rest.
 
         The head ends after an added token, or between the chunks of a long piece that is
@@ -225,10 +234,11 @@ class SegmentEncoder:
         Args:
             head_chars: characters to encode at least (0: the whole text, no rest).
             suffix: ids that follow the text (kept for after the rest).
+            scope: the cache's scope (the class's docstring), kept by the rest.
         """
         suffix = list(suffix or [])
         if head_chars <= 0 or not self.chunked or len(text) <= head_chars:
-            return self.encode(text) + suffix, None
+            return self.encode(text, scope) + suffix, None
         parts = self._split.split(text)
         out: list[int] = []
         used = nbytes = 0  # characters and UTF-8 bytes encoded
@@ -241,13 +251,13 @@ class SegmentEncoder:
             if not piece:
                 continue
             if used >= head_chars:  # the head ends before this piece
-                return self._rest_at_piece(out, nbytes, parts, k, head_chars, suffix)
-            cut = self._cut_for_head(piece, head_chars - used, head_chars)
+                return self._rest_at_piece(out, nbytes, parts, k, head_chars, suffix, scope)
+            cut = self._cut_for_head(piece, head_chars - used, head_chars, scope)
             if cut is False:  # a long new piece with no cut point: the head ends before it
                 return out, PromptRest(self, [], None, parts[k:], k % 2, suffix,
-                                       self._density(out, nbytes))
+                                       self._density(out, nbytes), scope)
             if cut is None:  # the piece is encoded whole
-                out.extend(self._piece(piece))
+                out.extend(self._piece(piece, scope))
                 used += len(piece)
                 nbytes += utf8_len(piece)
                 continue
@@ -257,29 +267,30 @@ class SegmentEncoder:
             head = self._encode_chunks(cut[:n]) if n else []
             out.extend(head)
             if n == len(cut):  # the piece ended the head: cached like any other
-                self._store(piece, head)
+                self._store(piece, head, scope)
                 continue
             return out, PromptRest(self, cut[n:], (piece, head), parts[k + 1:], (k + 1) % 2,
-                                   suffix, self._density(out, nbytes))
+                                   suffix, self._density(out, nbytes), scope)
         return out + suffix, None
 
     def _rest_at_piece(self, out: list[int], nbytes: int, parts: list[str], k: int,
-                       head_chars: int, suffix: list[int]) -> tuple[list[int], PromptRest | None]:
+                       head_chars: int, suffix: list[int],
+                       scope: str | None) -> tuple[list[int], PromptRest | None]:
         """The head reached ``head_chars`` before piece ``parts[k]``: leave the rest for
         later when it still has more than ``head_chars`` characters to tokenize, else encode
         it now (from the cache, cheaply)."""
-        if self._uncached_chars(parts, k) > head_chars:
+        if self._uncached_chars(parts, k, scope) > head_chars:
             return out, PromptRest(self, [], None, parts[k:], k % 2, suffix,
-                                   self._density(out, nbytes))
-        self._encode_parts(parts[k:], k % 2, out)
+                                   self._density(out, nbytes), scope)
+        self._encode_parts(parts[k:], k % 2, out, scope)
         return out + suffix, None
 
-    def _cut_for_head(self, piece: str, room_chars: int, head_chars: int):
+    def _cut_for_head(self, piece: str, room_chars: int, head_chars: int, scope: str | None):
         """How a piece with ``room_chars`` characters of head left is encoded: None when
         whole (it fits, is short, or is cached), its chunks when the head ends inside it,
         False when it should be cut but has no cut point (no spaces)."""
         if (len(piece) <= room_chars or len(piece) <= 2 * self.chunk_chars
-                or self._cached(piece) is not None):
+                or self._cached(piece, scope) is not None):
             return None
         chunks = self._chunks(piece, min(self.chunk_chars, max(head_chars, 256)), room_chars)
         return False if chunks is None else chunks
@@ -303,53 +314,57 @@ class SegmentEncoder:
         """Tokens per UTF-8 byte of a head, for the rest's estimated length."""
         return len(ids) / nbytes if nbytes >= 256 else self.DEFAULT_TOKENS_PER_BYTE
 
-    def _encode_parts(self, parts: list[str], parity: int, out: list[int]) -> None:
+    def _encode_parts(self, parts: list[str], parity: int, out: list[int],
+                      scope: str | None) -> None:
         """Append the ids of split ``parts`` to ``out``; ``parts[i]`` is an added token
         when ``(i + parity)`` is odd."""
         for k, piece in enumerate(parts, parity):
             if k % 2:  # an added token
                 out.append(self._ids[piece])
             elif piece:
-                out.extend(self._piece(piece))
+                out.extend(self._piece(piece, scope))
 
-    def _uncached_chars(self, parts: list[str], start: int) -> int:
+    def _uncached_chars(self, parts: list[str], start: int, scope: str | None) -> int:
         """Characters of the pieces in ``parts[start:]`` (``start`` even: a piece) that
         encoding would have to tokenize (short ones, and long ones not in the cache)."""
         with self._cache_lock:
             return sum(len(p) for p in parts[start::2]
-                       if p not in (self._short if len(p) < self.min_chars else self._cache))
+                       if (scope, p) not in (self._short if len(p) < self.min_chars
+                                             else self._cache))
 
-    def _cached(self, piece: str) -> array | None:
+    def _cached(self, piece: str, scope: str | None) -> array | None:
         with self._cache_lock:
-            return self._cache.get(piece)
+            return self._cache.get((scope, piece))
 
-    def _piece(self, piece: str) -> list[int] | array:
+    def _piece(self, piece: str, scope: str | None) -> list[int] | array:
+        key = (scope, piece)  # the caches' key: a piece in its scope (the class's docstring)
         if len(piece) < self.min_chars:
-            ids = self._short.get(piece)
+            ids = self._short.get(key)
             if ids is None:
                 ids = self._backend.encode(piece, add_special_tokens=False).ids
                 if len(self._short) >= self.SHORT_MAX:  # bounded whatever clients send
                     self._short.clear()
-                self._short[piece] = ids
+                self._short[key] = ids
             return ids
         with self._cache_lock:
-            ids = self._cache.get(piece)
+            ids = self._cache.get(key)
             if ids is not None:
-                self._cache.move_to_end(piece)
+                self._cache.move_to_end(key)
                 self.hits += 1
                 return ids
             self.misses += 1
         ids = self._encode_piece(piece)
-        self._store(piece, ids)
+        self._store(piece, ids, scope)
         return ids
 
-    def _store(self, piece: str, ids: list[int]) -> None:
+    def _store(self, piece: str, ids: list[int], scope: str | None) -> None:
         if len(piece) < self.min_chars or len(piece) > self.max_chars:
             return
+        key = (scope, piece)
         with self._cache_lock:
-            if piece not in self._cache:
-                self._cache[piece] = array("I", ids)
+            if key not in self._cache:
+                self._cache[key] = array("I", ids)
                 self._chars += len(piece) + self.ENTRY_CHARS
             while self._chars > self.max_chars:
-                old, _ = self._cache.popitem(last=False)
+                (_, old), _ = self._cache.popitem(last=False)
                 self._chars -= len(old) + self.ENTRY_CHARS
