@@ -292,7 +292,7 @@ class IngressCore:
                             stream=bool(parsed.stream),
                             max_output_tokens=max_output_tokens(
                                 body, completions=path == COMPLETIONS_PATH),
-                            choices=choices(body),
+                            choices=choices(body, completions=path == COMPLETIONS_PATH),
                             session_key=session_key(tenant.name if tenant else None, session)
                             if session else None)
         adapter = self.settings.adapter(body.get("model"))
@@ -352,7 +352,11 @@ class IngressCore:
             OpenAIError: 400 for malformed bodies.
         """
         prefix_aware = self.settings.policy_for(policy) == "prefix_aware"
-        head = self.settings.route_head_chars if prefix_aware else 0
+        # a tenant with a tokens-per-minute limit is charged its prompt's exact count: its
+        # prompt is encoded whole (the rest's estimate from the head's density let a prompt
+        # whose head is sparse through at several times the limit)
+        exact = tenant is not None and tenant.tokens_per_minute is not None
+        head = self.settings.route_head_chars if prefix_aware and not exact else 0
         inline = _RENDER_HEAD_INLINE_MAX_BYTES if (
             self._render_pool is None and head and self.renderer.segments.chunked) \
             else _RENDER_INLINE_MAX_BYTES

@@ -37,10 +37,44 @@ WINDOW_S = 60.0
 KINDS = ("requests", "tokens")
 
 
-def choices(body: dict[str, Any]) -> int:
-    """The completions a request asks for (``n``; 1 when absent or invalid)."""
-    n = body.get("n")
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1
+def lax_int(value: Any) -> int | None:
+    """``value`` as the engine's request model reads an integer field (pydantic's lax mode:
+    vLLM's protocol models): an int, a float with no fraction (``4.0``), or a string of one
+    (``"4"``, ``" 4 "``, ``"4.0"``); None for anything else (a bool included: counted as
+    absent)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        try:
+            value = float(value.strip()) if "." in value or "e" in value.lower() \
+                else int(value.strip())
+        except ValueError:
+            return None
+        if isinstance(value, int):
+            return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
+def prompts_in(body: dict[str, Any]) -> int:
+    """The prompts of a ``/v1/completions`` body: a batch (a list of texts, or of token
+    lists) generates for each; 1 otherwise."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        return len(prompt)
+    return 1
+
+
+def choices(body: dict[str, Any], completions: bool = False) -> int:
+    """The completions a request asks for: ``n`` (1 when absent or invalid, read as the
+    engine reads it: ``lax_int``), times the prompts of a ``/v1/completions`` batch
+    (``completions``: ``prompts_in``)."""
+    n = lax_int(body.get("n"))
+    n = n if n is not None and n > 0 else 1
+    return n * (prompts_in(body) if completions else 1)
 
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM 0.32 CompletionRequest.max_tokens's default
@@ -48,27 +82,39 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # vLLM 0.32 CompletionRequest.max_tokens's 
 
 
 def max_output_tokens(body: dict[str, Any], completions: bool = False) -> int:
-    """The most a request may generate: ``max_completion_tokens`` or ``max_tokens``, times
-    ``n``; for a ``/v1/completions`` request (``completions``) that names neither,
-    ``COMPLETIONS_DEFAULT_MAX_TOKENS``, the engine's default; else 0 when it names none (a
-    chat request, or a completion's explicit null: the engine may fill the context, and
-    ``request_tokens`` charges the rest of it)."""
-    if completions and "max_tokens" not in body and "max_completion_tokens" not in body:
-        return COMPLETIONS_DEFAULT_MAX_TOKENS * choices(body)
-    out = body.get("max_completion_tokens") or body.get("max_tokens") or 0
-    out = out if isinstance(out, int) and not isinstance(out, bool) and out > 0 else 0
-    return out * choices(body)
+    """The most a request may generate, times its ``choices``: for a chat request
+    ``max_completion_tokens``, else ``max_tokens`` (vLLM's chat model takes the first it
+    has); for a ``/v1/completions`` request (``completions``) ``max_tokens`` only (vLLM's
+    completion model has no ``max_completion_tokens``: a client that sent one there got
+    ``max_tokens`` generated while the limit counted the other), or when it names none
+    ``COMPLETIONS_DEFAULT_MAX_TOKENS``, the engine's default. 0 when it names none (a chat
+    request, or a completion's explicit null: the engine may fill the context, and
+    ``request_tokens`` charges the rest of it). Values are read as the engine reads them
+    (``lax_int``: ``"300"`` is 300)."""
+    if completions:
+        if "max_tokens" not in body:
+            return COMPLETIONS_DEFAULT_MAX_TOKENS * choices(body, completions)
+        out = lax_int(body.get("max_tokens"))
+    else:
+        out = lax_int(body.get("max_completion_tokens"))
+        if not out:
+            out = lax_int(body.get("max_tokens"))
+    out = out if out is not None and out > 0 else 0
+    return out * choices(body, completions)
 
 
 def request_tokens(prompt_tokens: int, output_tokens: int, body_bytes: int,
                    context_tokens: int | None = None, n: int = 1) -> int:
     """A request's tokens for its tenant's tokens-per-minute limit: its prompt's (when the
-    router did not tokenize it, one per 4 bytes of body) plus the most it may generate:
+    router did not tokenize it, one per byte of body: a token of a byte-level BPE vocabulary
+    is at least one byte of text, so no prompt is counted short; a guess of one per 4 bytes
+    let text of few bytes per token, such as CJK, through at several times its count) plus
+    the most it may generate:
     ``output_tokens``, or when the request named no limit (0) and the model's context
     length ``context_tokens`` is known, what is left of the context, ``n`` times (vLLM's
     default ``max_tokens`` is at most the context left after the prompt: ``get_max_tokens``
     in vLLM 0.32's ``vllm/entrypoints/serve/utils/api_utils.py``)."""
-    prompt = prompt_tokens or body_bytes // 4
+    prompt = prompt_tokens or body_bytes
     if not output_tokens and context_tokens:
         output_tokens = max(context_tokens - prompt, 0) * n
     return prompt + output_tokens
