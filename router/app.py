@@ -25,9 +25,10 @@ from router.logs import get_logger
 from router.prompt.render import CHAT_PATH, COMPLETIONS_PATH
 from router.routing.replica import ReplicaMetadata, hash_mismatches
 from router.serve import state
+from router.serve.admission import TenantSlots
 from router.serve.auth import ApiKeys
 from router.serve.errors import OpenAIError, no_replicas, require_json
-from router.serve.ingress import IngressCore, build_fastapi_app
+from router.serve.ingress import IngressCore, build_fastapi_app, json_object
 from router.serve.protocol import route_label
 from router.serve.schemas import openapi_route
 
@@ -194,6 +195,7 @@ class Ingress:
         self.core = IngressCore(self.settings, engine_handle)
         self.engine_handle = engine_handle
         self._status_cache: tuple[float, dict | None] | None = None
+        self.tenant_slots = TenantSlots(self.settings.tenant_inflight_limit)
         self.fleet = None
         if self.settings.external_engines or self.settings.external_engines_file:
             from replicas.external import ExternalFleet
@@ -239,14 +241,14 @@ class Ingress:
         try:
             tenant = self.keys.authenticate(request.headers.get("authorization"))
             require_json(request.headers.get("content-type"))
-            raw = await _read_body(request, self.settings)
-            resp = await self.core.handle(path, raw, t0, body_s=time.perf_counter() - t0,
-                                          policy=request.headers.get("x-routing-policy"),
-                                          data_path=request.headers.get("x-data-path"),
-                                          tenant=tenant, priority=request.headers.get(
-                                              self.settings.priority_header),
-                                          session=header_value(request,
-                                                               self.settings.session_header))
+            with self.tenant_slots.take(tenant.name if tenant is not None else None):
+                raw = await _read_body(request, self.settings)
+                resp = await self.core.handle(
+                    path, raw, t0, body_s=time.perf_counter() - t0,
+                    policy=request.headers.get("x-routing-policy"),
+                    data_path=request.headers.get("x-data-path"), tenant=tenant,
+                    priority=request.headers.get(self.settings.priority_header),
+                    session=header_value(request, self.settings.session_header))
         except OpenAIError as exc:
             metrics.inc("requests", 1, tags={"route": route, "status": str(exc.status)})
             return JSONResponse(exc.body(), status_code=exc.status,
@@ -293,18 +295,26 @@ class Ingress:
     async def tokenize(self, request: Request) -> Response:
         """vLLM's ``/tokenize``, answered by an engine (clients such as vLLM's benchmark
         align prompts with it); the router's own routing never calls it."""
-        self.keys.authenticate(request.headers.get("authorization"))
-        require_json(request.headers.get("content-type"))
-        return await self._any_engine(
-            "POST", "/tokenize", await _read_body(request, self.settings))
+        return await self._tokens(request, "/tokenize")
 
     @fastapi_app.post("/detokenize")
     async def detokenize(self, request: Request) -> Response:
         """vLLM's ``/detokenize``, answered by an engine."""
-        self.keys.authenticate(request.headers.get("authorization"))
+        return await self._tokens(request, "/detokenize")
+
+    async def _tokens(self, request: Request, path: str) -> Response:
+        """``/tokenize`` and ``/detokenize`` as the inference routes take a request: the
+        tenant's slot (``tenant_max_inflight``), a JSON object (an OpenAI-style 400, not the
+        engine's), and the tenant's rate limits, a request and, for tokens, its body's bytes
+        (at most a token per byte: a 10 MB text kept the engines busy for 19 s, with every
+        other tenant's requests waiting)."""
+        tenant = self.keys.authenticate(request.headers.get("authorization"))
         require_json(request.headers.get("content-type"))
-        return await self._any_engine(
-            "POST", "/detokenize", await _read_body(request, self.settings))
+        with self.tenant_slots.take(tenant.name if tenant is not None else None):
+            raw = await _read_body(request, self.settings)
+            json_object(raw)
+            await self.core.rate_limits.check(tenant, len(raw))
+            return await self._any_engine("POST", path, raw)
 
     async def _any_engine(self, method: str, path: str, body: bytes | None = None) -> Response:
         """An endpoint every engine answers alike, from one that is up: 503 with no replica
@@ -543,7 +553,6 @@ def build_app(args: dict[str, Any] | None = None):
         # relays, streams included, as long as an engine replica drains (deploy/stop.py)
         graceful_shutdown_timeout_s=settings.drain_timeout_s + 30,
         ray_actor_options={"num_cpus": settings.ingress_num_cpus},
-        max_ongoing_requests=max(settings.max_ongoing_requests * max(settings.most_replicas, 1),
-                                 100),
+        max_ongoing_requests=settings.ingress_max_ongoing,
     ).bind(settings.dump(), engines)
 

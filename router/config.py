@@ -387,6 +387,13 @@ class Settings(BaseSettings):
                           "2-core VM, every request of the process stalled meanwhile).")
     request_timeout_s: float = Field(
         1800.0, gt=0, description="Upper bound of one request to an engine.")
+    tenant_max_inflight: Optional[int] = Field(
+        None, ge=1, description="Requests of one tenant (API keys on) that an ingress process "
+                                "receives and prepares at once (from authentication to the "
+                                "start of the answer); more are answered 429. Default: half of "
+                                "the process's own bound (max_ongoing_requests x the most "
+                                "engine replicas), so no one tenant can hold every request "
+                                "slot with bodies that trickle in.")
     body_idle_timeout_s: float = Field(
         60.0, gt=0, description="A request body that stops arriving for this long (s) is "
                                 "answered 408 and its connection freed (nginx's "
@@ -562,6 +569,17 @@ class Settings(BaseSettings):
         if self.autoscaling_config is None:
             return self.num_replicas
         return max(int(self.autoscaling_config.get("min_replicas", 1)), 1)
+
+    @property
+    def ingress_max_ongoing(self) -> int:
+        """Requests Serve lets one ingress process hold at once (``max_ongoing_requests``
+        times the most engine replicas, at least 100)."""
+        return max(self.max_ongoing_requests * max(self.most_replicas, 1), 100)
+
+    @property
+    def tenant_inflight_limit(self) -> int:
+        """``tenant_max_inflight``, or half of ``ingress_max_ongoing``."""
+        return self.tenant_max_inflight or max(self.ingress_max_ongoing // 2, 1)
 
     @property
     def most_replicas(self) -> int:

@@ -196,3 +196,47 @@ async def test_a_limited_tenants_long_prompt_is_counted_exactly(model_dir):
     assert limited.prompt_tokens == exact and limited.rest is None
     free = await core.prepare("/v1/chat/completions", raw, None, Tenant("f"), None, None)
     assert free.rest is not None and free.prompt_tokens < exact  # the estimate, cheaper
+
+
+async def test_a_peek_refuses_a_tenant_over_its_limit_and_counts_nothing(make_limiter):
+    """The ingress peeks before it renders (a security review: a tenant over its limit
+    still cost 2.4-3.2 s of rendering per 3.9 MB body before its 429)."""
+    make, _ = make_limiter
+    limiter = make()
+    t = Tenant("acme", requests_per_minute=2, tokens_per_minute=100)
+    for _ in range(5):
+        await limiter.check(t, 1, peek=True)  # counts nothing
+    await limiter.check(t, 60)
+    await limiter.check(t, 1, peek=True)
+    with pytest.raises(OpenAIError):
+        await limiter.check(t, 50)  # 60 + 50 > 100: refused, nothing counted
+    await limiter.check(t, 40)  # the second request: 100 tokens, 2 requests used
+    with pytest.raises(OpenAIError) as err:
+        await limiter.check(t, 1, peek=True)
+    assert err.value.status == 429
+
+
+def test_a_tenant_holds_at_most_its_slots_and_gives_them_back():
+    """A security review: a tenant opened 2,100 connections trickling a byte every 20 s,
+    past the ingress's 2,048 requests, and every other tenant waited."""
+    from router.serve.admission import TenantSlots
+
+    slots = TenantSlots(2)
+    with slots.take("mallory"), slots.take("mallory"):
+        with pytest.raises(OpenAIError) as err:
+            slots.take("mallory")
+        assert err.value.status == 429 and err.value.headers["retry-after"] == "1"
+        with slots.take("globex"):  # another tenant is served
+            assert slots.held("globex") == 1
+        assert slots.held("mallory") == 2
+    assert slots.held("mallory") == 0
+    with pytest.raises(RuntimeError):
+        with slots.take("mallory"):
+            raise RuntimeError("a request that failed gives its slot back")
+    assert slots.held("mallory") == 0
+    with slots.take(None):  # keys off
+        pass
+    unbounded = TenantSlots(None)
+    for _ in range(10):
+        unbounded.take("x").__enter__()
+    assert unbounded.held("x") == 0

@@ -84,6 +84,62 @@ def overloaded(timeout_s: float | None, retry_after_s: int) -> OpenAIError:
                        headers={"retry-after": str(retry_after_s)})
 
 
+class TenantSlots:
+    """Requests of each tenant being received and prepared in this process, at most
+    ``limit`` at once (``Settings.tenant_max_inflight``): a tenant that opens connections
+    and trickles their bodies (a byte every few seconds restarts the idle timeout) holds
+    at most that many of the process's requests, and other tenants keep being served.
+
+    A request holds its slot from its authentication to the start of its answer (the body,
+    the rendering, the admission and the routing), not while its answer streams. ``limit``
+    None: no bound. Used from one event loop (no lock)."""
+
+    def __init__(self, limit: int | None):
+        self.limit = limit
+        self._held: dict[str, int] = {}
+
+    def held(self, tenant: str) -> int:
+        """The slots ``tenant`` holds now."""
+        return self._held.get(tenant, 0)
+
+    def take(self, tenant: str | None) -> "TenantSlot":
+        """A context manager holding one of ``tenant``'s slots (None: keys are off, no
+        slot).
+
+        Raises:
+            OpenAIError: 429 when ``tenant`` holds ``limit`` already (nothing is taken).
+        """
+        if tenant is not None and self.limit is not None:
+            n = self._held.get(tenant, 0)
+            if n >= self.limit:
+                metrics.inc("admission_refused", tags={"reason": "tenant_inflight"})
+                raise OpenAIError(429, f"Too many requests in flight for tenant {tenant!r}: "
+                                       f"at most {self.limit} at once per router process "
+                                       "(setting tenant_max_inflight).", "RateLimitError",
+                                  headers={"retry-after": "1"})
+            self._held[tenant] = n + 1
+        return TenantSlot(self, tenant if self.limit is not None else None)
+
+
+class TenantSlot:
+    """One slot of ``TenantSlots``, given back when its ``with`` block ends."""
+
+    def __init__(self, slots: TenantSlots, tenant: str | None):
+        self.slots, self.tenant = slots, tenant
+
+    def __enter__(self) -> "TenantSlot":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.tenant is not None:
+            n = self.slots._held.get(self.tenant, 0) - 1
+            if n > 0:
+                self.slots._held[self.tenant] = n
+            else:
+                self.slots._held.pop(self.tenant, None)
+            self.tenant = None
+
+
 class Admission:
     """The ingress's admission queue.
 

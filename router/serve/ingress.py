@@ -78,6 +78,24 @@ _RENDER_THREADS_MIN_CORES = 4
 _JSON_DECODER = msgspec.json.Decoder()
 
 
+def json_object(raw: bytes) -> dict:
+    """A request body's JSON object (``decode_json_body``).
+
+    Raises:
+        OpenAIError: 400 (``invalid_body``) for a body that is not JSON, is nested too
+            deeply, or is not an object.
+    """
+    try:
+        body = decode_json_body(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise invalid_body(f"request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise invalid_body("request body is nested too deeply") from None
+    if not isinstance(body, dict):
+        raise invalid_body("request body must be a JSON object")
+    return body
+
+
 def decode_json_body(raw: bytes):
     """The JSON value of a request body, exactly as ``json.loads(raw)`` gives it, in about
     a third of its time for long bodies: msgspec's strict RFC 8259 decoder first (42.7
@@ -256,14 +274,7 @@ class IngressCore:
     def _prepare(self, path: str, raw: bytes, head_chars: int = 0,
                  tenant: Tenant | None = None, priority: int | None = None,
                  session: str | None = None) -> tuple[RoutedRequest, PromptInfo]:
-        try:
-            body = decode_json_body(raw)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise invalid_body(f"request body is not valid JSON: {exc}") from None
-        except RecursionError:
-            raise invalid_body("request body is nested too deeply") from None
-        if not isinstance(body, dict):
-            raise invalid_body("request body must be a JSON object")
+        body = json_object(raw)
         try:
             parsed = SCHEMAS[path].model_validate(body)
         except RecursionError:
@@ -465,6 +476,7 @@ class IngressCore:
             self.warmup.start()
         attempt_cls = self._attempt_class(data_path)
         prio = resolve_priority(priority, tenant, self.settings.priority_header)
+        await self.rate_limits.check(tenant, 1, peek=True)  # over its limit: no render
         t_prepare = time.perf_counter()
         with tracing.span("prepare") as span:
             req = await self.prepare(path, raw, policy, tenant, prio, session)
