@@ -141,6 +141,19 @@ def test_a_tenants_rate_limits_refuse_it_alone_with_retry_after(fleet):
     other = svc.client.post("/v1/chat/completions", json=body,
                             headers={"authorization": f"Bearer {keys['a']}"})
     assert other.status_code == 200
+    # /tokenize counts against the same limits (a security review: 10 MB bodies there
+    # kept the engines busy for 19 s with no limit), and a body that is not a JSON object
+    # is the router's OpenAI-style 400, not the engine's {"detail": ...}
+    r = svc.client.post("/tokenize", json={"model": "tiny-qwen2", "prompt": "hi"},
+                        headers=small)
+    assert r.status_code == 429 and r.json()["error"]["type"] == "RateLimitError"
+    a = {"authorization": f"Bearer {keys['a']}"}
+    r = svc.client.post("/tokenize", content=b"[" * 5000, headers={
+        **a, "content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["code"] == 400, r.text
+    assert "nested too deeply" in r.json()["error"]["message"]
+    r = svc.client.post("/tokenize", json={"model": "tiny-qwen2", "prompt": "hi"}, headers=a)
+    assert r.status_code == 200 and r.json()["tokens"], r.text
 
 
 def test_an_adapter_request_goes_where_its_adapter_is_and_hits_its_own_blocks(fleet):
