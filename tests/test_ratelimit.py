@@ -3,6 +3,7 @@ fakeredis, on the TLS/ACL Redis, and in one process; one sliding-minute rule."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
@@ -10,6 +11,7 @@ import uuid
 import pytest
 
 from router.clock import ManualClock
+from router.index.base import IndexUnavailable
 from router.index.redis import RedisConnections
 from router.serve.auth import Tenant
 from router.serve.errors import OpenAIError
@@ -240,3 +242,37 @@ def test_a_tenant_holds_at_most_its_slots_and_gives_them_back():
     for _ in range(10):
         unbounded.take("x").__enter__()
     assert unbounded.held("x") == 0
+
+
+async def test_a_call_that_times_out_is_checked_against_the_calls_still_under_way():
+    """A security review: 60 requests at once on one busy router, limit 30, admitted 32-40:
+    those whose Redis call timed out were checked against this process's counts, which did
+    not yet hold the requests whose calls were still under way (Redis admitted them
+    later). Those are now counted here before Redis answers."""
+    limiter = RateLimiter(object(), "t", ManualClock(0.0))
+    t = Tenant("acme", requests_per_minute=10)
+    release, calls = asyncio.Event(), []
+
+    async def redis_check(tenant, limits, peek=False):
+        calls.append(1)
+        if len(calls) <= 10:  # slow, then admitted
+            await release.wait()
+            return None
+        raise IndexUnavailable("timed out")
+
+    limiter._check_redis = redis_check
+    slow = [asyncio.ensure_future(limiter.check(t, 1)) for _ in range(10)]
+    await asyncio.sleep(0)
+    for _ in range(5):  # their calls time out: checked here, against the 10 under way
+        with pytest.raises(OpenAIError):
+            await limiter.check(t, 1)
+    release.set()
+    await asyncio.gather(*slow)
+    # a refusal by Redis takes its count back
+    async def refused(tenant, limits, peek=False):
+        return ("requests", 10, 6.0)
+    limiter2 = RateLimiter(object(), "t2", ManualClock(0.0))
+    limiter2._check_redis = refused
+    with pytest.raises(OpenAIError):
+        await limiter2.check(t, 1)
+    assert limiter2.local.check_now("acme", [("requests", 1, 1)], peek=True) is None

@@ -167,10 +167,21 @@ class MemoryRateLimiter:
         until it may fit (-1: never)."""
         return self._count(tenant, limits, check=True, peek=peek)
 
-    def record(self, tenant: str, limits: list[tuple[str, int, int]]) -> None:
+    def record(self, tenant: str, limits: list[tuple[str, int, int]]) -> int:
         """Count ``(kind, limit, cost)`` for ``tenant`` without checking (a request that
-        Redis admitted: this process's share, for when Redis fails)."""
+        Redis is asked about, or admitted: this process's share, for when Redis fails);
+        returns the window it was counted in, for ``unrecord``."""
         self._count(tenant, limits, check=False)
+        return int(self.clock.now() // self.window_s)
+
+    def unrecord(self, tenant: str, limits: list[tuple[str, int, int]], window: int) -> None:
+        """Take back a ``record`` of ``window`` (Redis refused the request, or did not
+        answer and the request is checked here instead)."""
+        with self._lock:
+            for kind, _, cost in limits:
+                key = (tenant, kind, window)
+                if key in self._counts:
+                    self._counts[key] = max(self._counts[key] - cost, 0)
 
     def _count(self, tenant: str, limits: list[tuple[str, int, int]], check: bool,
                peek: bool = False) -> tuple[str, int, float] | None:
@@ -235,14 +246,25 @@ class RateLimiter:
             return
         over = None
         if self.conn is not None:
+            # counted here before Redis answers: a request whose call times out is checked
+            # against this process's counts, which then hold the requests whose calls are
+            # still under way (a burst on one busy router admitted 32-40 of 60 against a
+            # limit of 30 when they did not)
+            window = None if peek else self.local.record(tenant.name, limits)
             try:
                 over = await self._check_redis(tenant.name, limits, peek)
-                if over is None and not peek:
-                    self.local.record(tenant.name, limits)
+                if over is not None and window is not None:
+                    self.local.unrecord(tenant.name, limits, window)
             except IndexUnavailable as exc:
                 (logger.debug if isinstance(exc, IndexBusy) else logger.warning)(
                     "rate limits counted in this process only (Redis: %s)", exc)
+                if window is not None:
+                    self.local.unrecord(tenant.name, limits, window)
                 over = self.local.check_now(tenant.name, limits, peek)
+            except BaseException:
+                if window is not None:
+                    self.local.unrecord(tenant.name, limits, window)
+                raise
         else:
             over = self.local.check_now(tenant.name, limits, peek)
         if over is not None:
