@@ -133,9 +133,9 @@ def health_of(infos, configured: int) -> tuple[int, dict[str, Any]]:
 
 
 # Serve's replica states of a replica it keeps (not one it stops): ray.serve._private.common
-# ReplicaState, as serve.status() reports them
-_KEPT_REPLICA_STATES = frozenset({"STARTING", "UPDATING", "RECOVERING", "RUNNING",
-                                  "PENDING_MIGRATION"})
+# ReplicaState, as serve.status() reports them; PENDING_MIGRATION not (a replica on a
+# draining node: its replacement is STARTING)
+_KEPT_REPLICA_STATES = frozenset({"STARTING", "UPDATING", "RECOVERING", "RUNNING"})
 # the deployment's states in which its replicas are the ones its config asks for (while
 # it deploys, UPDATING, Serve may not have made them all yet)
 _SETTLED_DEPLOYMENT_STATES = frozenset({"HEALTHY", "UNHEALTHY", "UPSCALING", "DOWNSCALING"})
@@ -195,6 +195,7 @@ class Ingress:
         self.core = IngressCore(self.settings, engine_handle)
         self.engine_handle = engine_handle
         self._status_cache: tuple[float, dict | None] | None = None
+        self._status_call: asyncio.Future | None = None  # Serve's status, asked in a thread
         self.tenant_slots = TenantSlots(self.settings.tenant_inflight_limit)
         self.fleet = None
         if self.settings.external_engines or self.settings.external_engines_file:
@@ -241,14 +242,15 @@ class Ingress:
         try:
             tenant = self.keys.authenticate(request.headers.get("authorization"))
             require_json(request.headers.get("content-type"))
-            with self.tenant_slots.take(tenant.name if tenant is not None else None):
+            with self.tenant_slots.take(tenant.name if tenant is not None else None) as slot:
                 raw = await _read_body(request, self.settings)
                 resp = await self.core.handle(
                     path, raw, t0, body_s=time.perf_counter() - t0,
                     policy=request.headers.get("x-routing-policy"),
                     data_path=request.headers.get("x-data-path"), tenant=tenant,
                     priority=request.headers.get(self.settings.priority_header),
-                    session=header_value(request, self.settings.session_header))
+                    session=header_value(request, self.settings.session_header),
+                    prepared=slot.release)
         except OpenAIError as exc:
             metrics.inc("requests", 1, tags={"route": route, "status": str(exc.status)})
             return JSONResponse(exc.body(), status_code=exc.status,
@@ -345,18 +347,27 @@ class Ingress:
 
     async def _engine_deployment_status(self) -> dict | None:
         """The engine deployment's status as Serve's controller reports it (its state,
-        message and replica states), asked at most every 5 s; None when it cannot tell."""
+        message and replica states), asked at most every 5 s, one call at a time, waited for
+        at most 1 s (then the last known, so a slow controller never holds up a health
+        probe); None when it cannot tell."""
         now = time.monotonic()
+        cached = self._status_cache[1] if self._status_cache is not None else None
         if self._status_cache is not None and now - self._status_cache[0] < 5.0:
-            return self._status_cache[1]
-        out = None
-        try:
+            return cached
+        if self._status_call is None or self._status_call.done():
+            self._status_call = asyncio.ensure_future(asyncio.to_thread(serve.status))
+        out = cached
+        try:  # a probe waits at most a second (the call goes on; one at a time)
+            st = await asyncio.wait_for(asyncio.shield(self._status_call), 1.0)
+            out = None
             app_name = serve.get_replica_context().app_name
-            st = await asyncio.to_thread(serve.status)
             dep = st.applications[app_name].deployments.get("EngineReplica")
             if dep is not None:
                 out = {"status": str(dep.status), "message": dep.message,
                        "replica_states": {str(k): v for k, v in dep.replica_states.items()}}
+        except asyncio.TimeoutError:
+            logger.debug("engine deployment status: Serve's controller is slow")
+            return out  # the last one known, asked again at the next probe
         except Exception as exc:  # outside Serve (tests), or the controller is busy
             logger.debug("engine deployment status unavailable: %s", exc)
         self._status_cache = (now, out)

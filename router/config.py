@@ -389,8 +389,10 @@ class Settings(BaseSettings):
         1800.0, gt=0, description="Upper bound of one request to an engine.")
     tenant_max_inflight: Optional[int] = Field(
         None, ge=1, description="Requests of one tenant (API keys on) that an ingress process "
-                                "receives and prepares at once (from authentication to the "
-                                "start of the answer); more are answered 429. Default: half of "
+                                "receives and prepares at once (from authentication to the end "
+                                "of the rate-limit check: the body and its rendering, not the "
+                                "wait for admission or the answer); more are answered 429. "
+                                "Default: half of "
                                 "the process's own bound (max_ongoing_requests x the most "
                                 "engine replicas), so no one tenant can hold every request "
                                 "slot with bodies that trickle in.")

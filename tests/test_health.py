@@ -142,6 +142,9 @@ def test_ready_counts_the_replicas_serve_keeps_after_a_deployments_override():
     assert engine_replicas_configured(
         fixed, dep(DeploymentStatus.DOWNSCALING, RUNNING=2, STOPPING=2)) == 2
     assert engine_replicas_configured(fixed, dep(DeploymentStatus.HEALTHY, RUNNING=2)) == 2
+    # a replica on a draining node is replaced: the replacement counts, it does not
+    assert engine_replicas_configured(
+        fixed, dep(DeploymentStatus.HEALTHY, RUNNING=3, PENDING_MIGRATION=1, STARTING=1)) == 4
     # still deploying, or Serve's status not known: the arguments' count
     assert engine_replicas_configured(
         fixed, dep(DeploymentStatus.UPDATING, STARTING=1)) == 4

@@ -216,6 +216,26 @@ async def test_a_peek_refuses_a_tenant_over_its_limit_and_counts_nothing(make_li
     with pytest.raises(OpenAIError) as err:
         await limiter.check(t, 1, peek=True)
     assert err.value.status == 429
+    assert "requested" not in str(err.value)  # the request's cost is not known yet
+
+
+def test_a_record_is_taken_back_from_the_window_it_was_counted_in():
+    """A review: ``record`` read the clock again for the window it returned, so a record
+    just before a window's end was taken back from the next one, and stayed."""
+    from router.serve.ratelimit import MemoryRateLimiter
+
+    class Ticking:  # a window ends between two readings
+        def __init__(self):
+            self.times = iter([59.999999, 60.0])
+
+        def now(self):
+            return next(self.times, 60.0)
+
+    local = MemoryRateLimiter(Ticking())
+    w = local.record("acme", [("requests", 1, 1)])
+    local.unrecord("acme", [("requests", 1, 1)], w)
+    local.clock = ManualClock(59.9999995)
+    assert local.check_now("acme", [("requests", 1, 1)], peek=True) is None
 
 
 def test_a_tenant_holds_at_most_its_slots_and_gives_them_back():

@@ -90,9 +90,10 @@ class TenantSlots:
     and trickles their bodies (a byte every few seconds restarts the idle timeout) holds
     at most that many of the process's requests, and other tenants keep being served.
 
-    A request holds its slot from its authentication to the start of its answer (the body,
-    the rendering, the admission and the routing), not while its answer streams. ``limit``
-    None: no bound. Used from one event loop (no lock)."""
+    A request holds its slot from its authentication to the end of its rate-limit check
+    (its body, its rendering: ``TenantSlot.release`` is called then), not while it waits
+    for admission or its answer. ``limit`` None: no bound. Used from one event loop (no
+    lock)."""
 
     def __init__(self, limit: int | None):
         self.limit = limit
@@ -131,6 +132,10 @@ class TenantSlot:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Give the slot back (once; later calls do nothing)."""
         if self.tenant is not None:
             n = self.slots._held.get(self.tenant, 0) - 1
             if n > 0:

@@ -30,6 +30,7 @@ import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import msgspec
 from fastapi import FastAPI, Request
@@ -444,7 +445,8 @@ class IngressCore:
     async def handle(self, path: str, raw: bytes, t_arrival: float,
                      policy: str | None = None, data_path: str | None = None,
                      tenant: Tenant | None = None, priority: str | None = None,
-                     session: str | None = None, body_s: float | None = None) -> Response:
+                     session: str | None = None, body_s: float | None = None,
+                     prepared: Callable[[], None] | None = None) -> Response:
         """Serve one inference request; returns the response to send.
 
         The request is admitted first (``router.serve.admission``: with
@@ -463,6 +465,8 @@ class IngressCore:
             session: its session header (``Settings.session_header``), or None.
             body_s: seconds its body took to read after ``t_arrival``, when the caller
                 read it (``RoutedRequest.timings``).
+            prepared: called once the request is rendered and within its tenant's rate
+                limits (the caller's ``TenantSlot.release``).
         Raises:
             OpenAIError: 400 (malformed body or priority, refused ``x-routing-policy`` or
                 ``x-data-path``), 429 (the tenant's rate limit, or overloaded), 503 (no
@@ -493,6 +497,8 @@ class IngressCore:
         await self.rate_limits.check(tenant, request_tokens(
             req.prompt_tokens, req.max_output_tokens, len(req.body), self.context_tokens,
             req.choices))
+        if prepared is not None:
+            prepared()
         interval = self.settings.sse_keepalive_s
         if not req.stream or interval is None:
             return await self._answer(req, attempt_cls, route, prio)

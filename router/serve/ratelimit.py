@@ -3,9 +3,11 @@
 A tenant's limits come from its key in the keys document (``requests_per_minute``,
 ``tokens_per_minute``; ``router.serve.auth``). A request costs one request and its tokens
 as OpenAI counts them for its limits: the prompt's tokens plus the most it may generate
-(``max_completion_tokens`` or ``max_tokens``; for a chat request that names neither, the
-rest of the model's context, which the engine may fill; for a completion, vLLM's default of
-16). It is checked before admission. Over a limit,
+(``max_output_tokens``: a chat request's ``max_completion_tokens`` or ``max_tokens``, a
+completion's ``max_tokens``; for a chat request that names neither, the rest of the model's
+context, which the engine may fill; for a completion, vLLM's default of 16). It is checked
+before admission, and a tenant already over a limit is refused before its request is
+rendered (a check that counts nothing). Over a limit,
 the answer is a 429 with ``Retry-After`` and OpenAI's ``x-ratelimit-*`` headers, and nothing
 is counted. The minute slides: two fixed windows, the previous one weighted by the share of
 it still inside the last 60 s (``lua/rate_limit.lua``, after Cloudflare's counting:
@@ -120,8 +122,10 @@ def request_tokens(prompt_tokens: int, output_tokens: int, body_bytes: int,
     return prompt + output_tokens
 
 
-def _refused(tenant: Tenant, kind: str, limit: int, used: int, cost: int,
+def _refused(tenant: Tenant, kind: str, limit: int, used: int, cost: int | None,
              retry_s: float) -> OpenAIError:
+    """The 429 of a request over ``tenant``'s limit of ``kind``; ``cost`` None: a request
+    refused before its cost was known (``RateLimiter.check``'s peek)."""
     headers = {f"x-ratelimit-limit-{kind}": str(limit),
                f"x-ratelimit-remaining-{kind}": str(max(limit - used, 0))}
     if retry_s < 0:  # this request alone is over the limit: waiting will not help
@@ -131,8 +135,9 @@ def _refused(tenant: Tenant, kind: str, limit: int, used: int, cost: int,
     wait = max(1, math.ceil(retry_s))
     headers["retry-after"] = str(wait)
     headers[f"x-ratelimit-reset-{kind}"] = f"{wait}s"
+    requested = "" if cost is None else f", requested {cost}"
     return OpenAIError(429, f"Rate limit reached for tenant {tenant.name!r} on {kind} per "
-                            f"minute: limit {limit}, used {used}, requested {cost}. Please "
+                            f"minute: limit {limit}, used {used}{requested}. Please "
                             f"try again in {wait}s.", "RateLimitError", headers=headers)
 
 
@@ -171,8 +176,7 @@ class MemoryRateLimiter:
         """Count ``(kind, limit, cost)`` for ``tenant`` without checking (a request that
         Redis is asked about, or admitted: this process's share, for when Redis fails);
         returns the window it was counted in, for ``unrecord``."""
-        self._count(tenant, limits, check=False)
-        return int(self.clock.now() // self.window_s)
+        return self._count(tenant, limits, check=False)
 
     def unrecord(self, tenant: str, limits: list[tuple[str, int, int]], window: int) -> None:
         """Take back a ``record`` of ``window`` (Redis refused the request, or did not
@@ -184,7 +188,8 @@ class MemoryRateLimiter:
                     self._counts[key] = max(self._counts[key] - cost, 0)
 
     def _count(self, tenant: str, limits: list[tuple[str, int, int]], check: bool,
-               peek: bool = False) -> tuple[str, int, float] | None:
+               peek: bool = False):
+        """``check_now``'s answer; without ``check``, the window counted in (``record``)."""
         now = self.clock.now()
         w = int(now // self.window_s)
         elapsed = now - w * self.window_s
@@ -203,7 +208,7 @@ class MemoryRateLimiter:
                 self._pruned_w = w
                 for key in [k for k in self._counts if k[2] < w - 1]:
                     del self._counts[key]
-        return None
+        return None if check else w
 
 
 class RateLimiter:
@@ -272,7 +277,7 @@ class RateLimiter:
             limit, cost = next((lim, c) for k, lim, c in limits if k == kind)
             from router import metrics
             metrics.inc("admission_refused", tags={"reason": f"rate_limit_{kind}"})
-            raise _refused(tenant, kind, limit, used, cost, retry_s)
+            raise _refused(tenant, kind, limit, used, None if peek else cost, retry_s)
 
     async def _check_redis(self, tenant: str, limits: list[tuple[str, int, int]],
                            peek: bool = False) -> tuple[str, int, float] | None:

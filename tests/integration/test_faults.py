@@ -15,6 +15,7 @@ import uuid
 import httpx
 import pytest
 
+from router.redis_keys import entries_in
 from tests.conftest import (
     OwnRedis,
     assert_no_load_left,
@@ -419,7 +420,7 @@ def test_a_dead_engines_entries_are_cleared_at_once(faults_app, own_redis, token
     a, _ = warm(faults_app, system)
     c = own_redis.client()
     keys = [f"{faults_ns()}:x:{a}", f"{faults_ns()}:p:{a}"]
-    assert c.hlen(keys[0]) > 0
+    assert entries_in(c.hlen(keys[0])) > 0
     pid = next(r["routing_stats"]["engine_pid"] for r in replicas(faults_app)
                if r["replica_id"] == a)
     os.kill(pid, signal.SIGKILL)
@@ -553,7 +554,7 @@ def test_scaling_out_and_in_purges_removed_replicas_and_shares_cold_traffic(
             svc.client.post("/v1/chat/completions",
                             json=chat_body(make_text(300, f"scale-warm-{i}"), "w"))
         time.sleep(0.5)
-        assert all(c.hlen(f"{ns}:x:{r}") > 0 for r in before)
+        assert all(entries_in(c.hlen(f"{ns}:x:{r}")) > 0 for r in before)
         for n, tag in ((3, "out"), (2, "in")):
             run_app(serve_http_port, "scale", "/scale", num_replicas=n, **args)
             now = wait_until(lambda: ids(svc, n, frozenset(before - (ids(svc, n) or set()))),
