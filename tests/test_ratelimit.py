@@ -130,6 +130,18 @@ def test_the_limits_read_a_requests_numbers_as_the_engine_does():
     assert max_output_tokens({"prompt": ["a", "b"]}, completions=True) == 32
 
 
+def test_a_prompt_the_router_did_not_tokenize_is_charged_at_most_its_bytes():
+    """A review: a batch of 8 token-id prompts of 2,000 tokens (16,000) was charged its
+    body's 107,288 bytes, and under tenant isolation the re-serialised body (ASCII escapes)
+    was counted: token ids are counted exactly, text by the client's own body."""
+    from router.serve.ratelimit import untokenized_prompt_tokens
+
+    assert untokenized_prompt_tokens({"prompt": [[1] * 2000] * 8}, 107_288) == 16_000
+    assert untokenized_prompt_tokens({"prompt": [5] * 300}, 5000) == 300
+    assert untokenized_prompt_tokens({"prompt": ["a", "b"]}, 900) == 900
+    assert untokenized_prompt_tokens({"messages": []}, 1234) == 1234
+
+
 def test_a_requests_tokens_are_its_prompt_and_what_it_may_generate():
     assert max_output_tokens({"max_tokens": 100}) == 100
     assert max_output_tokens({"max_completion_tokens": 50, "max_tokens": 9, "n": 3}) == 150
@@ -190,7 +202,7 @@ async def test_a_limited_tenants_long_prompt_is_counted_exactly(model_dir):
 
     core = IngressCore(Settings(model=str(model_dir)), engine_handle=None)
     text = " 日本語のテキスト" * 240 + " " + " ".join(str(i) for i in range(3000))
-    body = {"model": "m", "messages": [{"role": "user", "content": text}]}
+    body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 10}
     raw = json.dumps(body).encode()
     exact = PromptRenderer(str(model_dir)).render("/v1/chat/completions", body).num_tokens
     limited = await core.prepare("/v1/chat/completions", raw, None,
@@ -198,6 +210,34 @@ async def test_a_limited_tenants_long_prompt_is_counted_exactly(model_dir):
     assert limited.prompt_tokens == exact and limited.rest is None
     free = await core.prepare("/v1/chat/completions", raw, None, Tenant("f"), None, None)
     assert free.rest is not None and free.prompt_tokens < exact  # the estimate, cheaper
+    # a prompt over the limit is refused once found over it (a review: a limited tenant's
+    # megabytes were otherwise encoded whole before each refusal), exactly at the limit not
+    for limit, refused in ((exact + 10 - 1, True), (exact + 10, False)):
+        try:
+            await core.prepare("/v1/chat/completions", raw, None,
+                               Tenant(f"t{limit}", tokens_per_minute=limit), None, None)
+            assert not refused
+        except OpenAIError as err:
+            assert refused and err.status == 429 and "Request too large" in str(err)
+
+
+def test_a_rest_far_over_its_budget_is_encoded_only_about_that_far(model_dir):
+    """``PromptRest.encode_within`` encodes a group of chunks at a time and stops once over
+    its budget, and gives ``encode()``'s ids when within it."""
+    from router.prompt.render import CHAT_PATH, PromptRenderer
+
+    r = PromptRenderer(str(model_dir))
+    r.segments.chunk_chars = 256
+    text = " ".join(f"word{i}" for i in range(60000))  # ~500k characters
+    body = {"model": "m", "messages": [{"role": "user", "content": text}]}
+    info = r.render(CHAT_PATH, body, head_chars=2048)
+    want = r.render(CHAT_PATH, body).token_ids
+    encoded = []
+    real = r.segments._encode_chunks
+    r.segments._encode_chunks = lambda chunks: encoded.extend(chunks) or real(chunks)
+    assert info.rest.encode_within(5000) is None
+    assert sum(map(len, encoded)) < 5000 * 8 + 8 * 256 * 2  # far less than the ~500k
+    assert info.finish_within(len(want)) and info.token_ids == want
 
 
 async def test_a_peek_refuses_a_tenant_over_its_limit_and_counts_nothing(make_limiter):

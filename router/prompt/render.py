@@ -67,6 +67,19 @@ class PromptInfo:
             self.token_ids = self.token_ids + self.rest.encode()
             self.rest = None
 
+    def finish_within(self, budget: int) -> bool:
+        """``finish`` when the whole prompt is at most ``budget`` tokens (then True);
+        False, and the prompt left as it is, as soon as it is found longer
+        (``PromptRest.encode_within``: about ``budget`` tokens encoded at most)."""
+        if self.rest is None:
+            return len(self.token_ids) <= budget
+        ids = self.rest.encode_within(budget - len(self.token_ids))
+        if ids is None:
+            return False
+        self.token_ids = self.token_ids + ids
+        self.rest = None
+        return True
+
 
 _LAX_TRUE_STRINGS = {"1", "on", "t", "true", "y", "yes"}  # pydantic's, any case
 

@@ -59,6 +59,50 @@ class PromptRest:
         self.encoder._encode_parts(self.parts, self.parity, out, self.scope)
         return out + self.suffix
 
+    GROUP = 8  # chunks encoded together by ``encode_within`` between two counts
+
+    def encode_within(self, budget: int) -> list[int] | None:
+        """``encode()``'s ids when they are at most ``budget`` tokens; None as soon as more
+        are found. The rest is encoded in groups of ``GROUP`` chunks (about 32k characters)
+        and counted after each, so a rest far over ``budget`` costs about ``budget`` tokens
+        of encoding, not its whole length (a tenant's token limit: a refused prompt must not
+        cost the router the tokenization of megabytes, again and again)."""
+        enc, scope, suffix = self.encoder, self.scope, len(self.suffix)
+        out: list[int] = []
+
+        def grouped(chunks: list[str]) -> list[int] | None:
+            ids: list[int] = []
+            for g in range(0, len(chunks), self.GROUP):
+                ids.extend(enc._encode_chunks(chunks[g:g + self.GROUP]))
+                if len(out) + len(ids) + suffix > budget:
+                    return None
+            return ids
+
+        if self.chunks:
+            ids = grouped(self.chunks[:-1] + enc._cut(self.chunks[-1]))
+            if ids is None:
+                return None
+            out.extend(ids)
+            if self.crossing is not None:
+                piece, head_ids = self.crossing
+                enc._store(piece, head_ids + out, scope)
+        for k, piece in enumerate(self.parts, self.parity):
+            if k % 2:  # an added token
+                out.append(enc._ids[piece])
+            elif piece:
+                if len(piece) <= self.GROUP * max(enc.chunk_chars, 1) \
+                        or enc._cached(piece, scope) is not None:
+                    ids = enc._piece(piece, scope)
+                else:
+                    ids = grouped(enc._cut(piece))
+                    if ids is None:
+                        return None
+                    enc._store(piece, ids, scope)
+                out.extend(ids)
+            if len(out) + suffix > budget:
+                return None
+        return out + self.suffix
+
 
 def utf8_len(text: str) -> int:
     """Length of ``text`` in UTF-8 bytes (an ASCII string's is its length, found without

@@ -62,7 +62,8 @@ from router.serve.engine_client import ENGINE_ERRORS, EngineClient
 from router.serve.errors import OpenAIError, bad_request, invalid_body, no_replicas
 from router.serve.protocol import ReplicaHead, RoutedRequest, route_label, server_timing
 from router.serve.ratelimit import (RateLimiter, choices, context_tokens, max_output_tokens,
-                                    request_tokens)
+                                    prompt_over_limit, request_tokens,
+                                    untokenized_prompt_tokens)
 from router.serve.schemas import SCHEMAS, validation_message
 
 logger = get_logger(__name__)
@@ -276,6 +277,7 @@ class IngressCore:
                  tenant: Tenant | None = None, priority: int | None = None,
                  session: str | None = None) -> tuple[RoutedRequest, PromptInfo]:
         body = json_object(raw)
+        client_bytes = len(raw)
         try:
             parsed = SCHEMAS[path].model_validate(body)
         except RecursionError:
@@ -305,6 +307,8 @@ class IngressCore:
                             max_output_tokens=max_output_tokens(
                                 body, completions=path == COMPLETIONS_PATH),
                             choices=choices(body, completions=path == COMPLETIONS_PATH),
+                            untokenized_prompt_tokens=0 if info.cacheable else
+                            untokenized_prompt_tokens(body, client_bytes),
                             session_key=session_key(tenant.name if tenant else None, session)
                             if session else None)
         adapter = self.settings.adapter(body.get("model"))
@@ -330,6 +334,20 @@ class IngressCore:
             req.block_hashes = []
             return
         self._hash(req, info)
+
+    def _finish_within(self, req: RoutedRequest, info: PromptInfo, budget: int) -> bool:
+        """``_finish`` for a prompt of at most ``budget`` tokens (``finish_within``); False
+        when it is longer (the prompt left unfinished). Text the tokenizer refuses is left
+        to the engine, as ``_finish`` leaves it (True: the estimate stands)."""
+        try:
+            if not info.finish_within(budget):
+                return False
+        except Exception as exc:
+            logger.debug("prompt rest not encoded (%s): routing by load", exc)
+            req.block_hashes = []
+            return True
+        self._hash(req, info)
+        return True
 
     async def prepare(self, path: str, raw: bytes, policy: str | None = None,
                       tenant: Tenant | None = None, priority: int | None = None,
@@ -364,11 +382,7 @@ class IngressCore:
             OpenAIError: 400 for malformed bodies.
         """
         prefix_aware = self.settings.policy_for(policy) == "prefix_aware"
-        # a tenant with a tokens-per-minute limit is charged its prompt's exact count: its
-        # prompt is encoded whole (the rest's estimate from the head's density let a prompt
-        # whose head is sparse through at several times the limit)
-        exact = tenant is not None and tenant.tokens_per_minute is not None
-        head = self.settings.route_head_chars if prefix_aware and not exact else 0
+        head = self.settings.route_head_chars if prefix_aware else 0
         inline = _RENDER_HEAD_INLINE_MAX_BYTES if (
             self._render_pool is None and head and self.renderer.segments.chunked) \
             else _RENDER_INLINE_MAX_BYTES
@@ -378,6 +392,14 @@ class IngressCore:
         else:
             async with self._cpu_turn():
                 req, info = self._prepare(path, raw, head, tenant, priority, session)
+        if info.rest is not None and tenant is not None and tenant.tokens_per_minute is not None:
+            # a tenant with a token limit is charged its prompt's exact count (the rest's
+            # estimate from a sparse head let 8,050 tokens through as 563), encoded only as
+            # far as its limit can hold: a prompt over it costs about that many tokens of
+            # encoding, however long it is
+            budget = max(tenant.tokens_per_minute - req.max_output_tokens, 0)
+            if not await asyncio.to_thread(self._finish_within, req, info, budget):
+                raise prompt_over_limit(tenant, budget + 1 + req.max_output_tokens)
         if info.rest is not None and req.block_hashes:
             req.rest = _Rest(self, info)  # the routing step decides whether to encode it
             return req
@@ -495,8 +517,8 @@ class IngressCore:
         req.t_arrival = t_arrival
         route = route_label(path)
         await self.rate_limits.check(tenant, request_tokens(
-            req.prompt_tokens, req.max_output_tokens, len(req.body), self.context_tokens,
-            req.choices))
+            req.prompt_tokens, req.max_output_tokens,
+            req.untokenized_prompt_tokens or len(req.body), self.context_tokens, req.choices))
         if prepared is not None:
             prepared()
         interval = self.settings.sse_keepalive_s

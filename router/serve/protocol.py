@@ -65,6 +65,9 @@ class RoutedRequest:
         max_output_tokens: the most the request may generate (``max_completion_tokens``
             or ``max_tokens``, times ``n``; 0 when it names none), for tenants' token limits.
         choices: the completions it asks for (``n``), for the same.
+        untokenized_prompt_tokens: for the same, a prompt the router did not tokenize
+            (``prompt_tokens`` 0): a batch of token lists' exact count, else one per byte
+            of the client's body (``router.serve.ratelimit.untokenized_prompt_tokens``).
         session_key: its session's key (``router.routing.sessions.session_key``), or None.
         lora_name: the LoRA adapter its ``model`` names (``Settings.lora_adapters``), or None.
         trace_headers: while tracing is on, the headers that carry the attempt's trace
@@ -91,6 +94,7 @@ class RoutedRequest:
     t_arrival: float = 0.0
     max_output_tokens: int = 0
     choices: int = 1
+    untokenized_prompt_tokens: int = 0
     session_key: str | None = None
     lora_name: str | None = None
     routing_s: float | None = None

@@ -105,6 +105,21 @@ def max_output_tokens(body: dict[str, Any], completions: bool = False) -> int:
     return out * choices(body, completions)
 
 
+def untokenized_prompt_tokens(body: dict[str, Any], body_bytes: int) -> int:
+    """The tokens charged for a prompt the router did not tokenize: a ``/v1/completions``
+    prompt of token ids (a batch of token lists included) is counted exactly; any other,
+    one per byte of the client's ``body_bytes`` (at least as many as the text holds with a
+    byte-level BPE vocabulary; an image given by URL is not in the body, and not counted)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return len(prompt)
+        if all(isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                           for t in p) for p in prompt):
+            return sum(len(p) for p in prompt)
+    return body_bytes
+
+
 def request_tokens(prompt_tokens: int, output_tokens: int, body_bytes: int,
                    context_tokens: int | None = None, n: int = 1) -> int:
     """A request's tokens for its tenant's tokens-per-minute limit: its prompt's (when the
@@ -139,6 +154,18 @@ def _refused(tenant: Tenant, kind: str, limit: int, used: int, cost: int | None,
     return OpenAIError(429, f"Rate limit reached for tenant {tenant.name!r} on {kind} per "
                             f"minute: limit {limit}, used {used}{requested}. Please "
                             f"try again in {wait}s.", "RateLimitError", headers=headers)
+
+
+def prompt_over_limit(tenant: Tenant, at_least: int) -> OpenAIError:
+    """The 429 of a request whose prompt alone is found over ``tenant``'s tokens-per-minute
+    limit (more than ``at_least`` - 1 tokens, with its output) before it was encoded whole
+    (``PromptInfo.finish_within``): waiting will not help, so no ``Retry-After``."""
+    from router import metrics
+    metrics.inc("admission_refused", tags={"reason": "rate_limit_tokens"})
+    limit = tenant.tokens_per_minute or 0
+    return OpenAIError(429, f"Request too large for tenant {tenant.name!r}: at least "
+                            f"{at_least} tokens against a limit of {limit} tokens per minute.",
+                       "RateLimitError", headers={"x-ratelimit-limit-tokens": str(limit)})
 
 
 def context_tokens(max_model_len: int | None, model_dir: str | None) -> int | None:
