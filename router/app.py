@@ -150,7 +150,8 @@ def engine_replicas_configured(settings, deployment: dict | None) -> int:
     with autoscaling ``min_replicas``) while Serve's status is not known or the deployment
     is still being deployed or updated. ``deployment``: ``{"status": "DeploymentStatus.X"
     or "X", "replica_states": {state: count}}`` or None."""
-    if deployment is None or settings.autoscaling_config is not None:
+    if deployment is None or settings.autoscaling_config is not None \
+            or settings.num_replicas == 0:  # none in Ray (``engine_deployment``'s pinned zero)
         return settings.configured_replicas
     status = str(deployment.get("status", "")).rsplit(".", 1)[-1]
     if status not in _SETTLED_DEPLOYMENT_STATES:
@@ -222,11 +223,15 @@ class Ingress:
 
     async def _warm_up(self, timeout_s: float = 30.0) -> None:
         """Ping one engine replica through the handle, so that its router starts and hears
-        of the replica set. With no replica (none started yet, or none in Ray: external
-        engines only) the call waits in the handle's queue, where it would count as demand
-        for an autoscaler: it is cancelled after ``timeout_s``; the router stays. Opens the
+        of the replica set. With no replica started yet the call waits in the handle's
+        queue, where it would count as demand for an autoscaler: it is cancelled after
+        ``timeout_s``; the router stays. With none in Ray (``num_replicas`` 0: external
+        engines only) no call is made: Serve scales a deployment from zero at its first
+        queued call, and started an engine replica that no one asked for. Opens the
         process's Redis connections first (``IngressCore.open_connections``)."""
         await self.core.open_connections()
+        if self.settings.num_replicas == 0 and self.settings.autoscaling_config is None:
+            return  # no engine in Ray: a call would make Serve start one from zero
         response = self.engine_handle.ping.remote()
         try:
             async with asyncio.timeout(timeout_s):

@@ -149,6 +149,9 @@ def test_ready_counts_the_replicas_serve_keeps_after_a_deployments_override():
     assert engine_replicas_configured(
         fixed, dep(DeploymentStatus.UPDATING, STARTING=1)) == 4
     assert engine_replicas_configured(fixed, None) == 4
+    # no engine in Ray (external engines only): none, whatever Serve starts
+    assert engine_replicas_configured(
+        Settings(num_replicas=0), dep(DeploymentStatus.UPSCALING, STARTING=1)) == 0
     # autoscaling: min_replicas, whatever Serve runs now
     auto = Settings(autoscaling_config={"min_replicas": 2, "max_replicas": 5})
     assert engine_replicas_configured(auto, dep(DeploymentStatus.HEALTHY, RUNNING=5)) == 2

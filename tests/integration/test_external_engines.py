@@ -68,7 +68,11 @@ def _exercise(svc, proc, vllm_spec, eventless_engine, engines_file, tokenizer) -
     # a router holds the engine's feeder lease and writes them (a moment later)
     wait_until(lambda: replicas()["vllm-outside"]["blocks_held"] >= 2, 30, 0.25,
                "the hash probe's blocks in the index")
-    assert c.get("/health").json()["ready"] is True
+    health = c.get("/health").json()
+    assert health["ready"] is True, health
+    from ray import serve  # no engine in Ray was started (the warm-up once started one)
+    dep = serve.status().applications["external"].deployments["EngineReplica"]
+    assert not any(dep.replica_states.values()), dep
 
     def chat(i: int, turn: int) -> httpx.Response:
         msgs = [{"role": "system", "content": make_text(200, f"external-{i}", tokenizer)},
