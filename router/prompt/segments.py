@@ -66,7 +66,8 @@ class PromptRest:
         are found. The rest is encoded in groups of ``GROUP`` chunks (about 32k characters)
         and counted after each, so a rest far over ``budget`` costs about ``budget`` tokens
         of encoding, not its whole length (a tenant's token limit: a refused prompt must not
-        cost the router the tokenization of megabytes, again and again)."""
+        cost the router the tokenization of megabytes, again and again). A long piece with
+        no cut point (``_chunks``: CJK, base64) is one chunk, encoded whole."""
         enc, scope, suffix = self.encoder, self.scope, len(self.suffix)
         out: list[int] = []
 
