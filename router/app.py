@@ -7,6 +7,7 @@ YAML's ``args`` are ``Settings`` fields and override the environment and the con
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import json
 import time
@@ -240,15 +241,28 @@ class Ingress:
             response.cancel()
             logger.info("engine warm-up call failed: %s", type(exc).__name__)
 
+    @contextlib.asynccontextmanager
+    async def _tenant_body(self, request: Request):
+        """What every route that takes a body does first: authenticate the caller, require
+        JSON, take one of the tenant's slots (``tenant_max_inflight``), read the body.
+        Yields ``(tenant, raw body bytes, slot)``; the slot is held until the block ends
+        (or ``slot.release()``).
+
+        Raises:
+            OpenAIError: 401 (keys), 400 (not JSON, vLLM's answer), 429 (the tenant's
+                slots), 413 or 408 (``_read_body``).
+        """
+        tenant = self.keys.authenticate(request.headers.get("authorization"))
+        require_json(request.headers.get("content-type"))
+        with self.tenant_slots.take(tenant.name if tenant is not None else None) as slot:
+            yield tenant, await _read_body(request, self.settings), slot
+
     async def _infer(self, path: str, request: Request) -> Response:
         t0 = time.perf_counter()
         route = route_label(path)
         from router import metrics
         try:
-            tenant = self.keys.authenticate(request.headers.get("authorization"))
-            require_json(request.headers.get("content-type"))
-            with self.tenant_slots.take(tenant.name if tenant is not None else None) as slot:
-                raw = await _read_body(request, self.settings)
+            async with self._tenant_body(request) as (tenant, raw, slot):
                 resp = await self.core.handle(
                     path, raw, t0, body_s=time.perf_counter() - t0,
                     policy=request.headers.get("x-routing-policy"),
@@ -315,10 +329,7 @@ class Ingress:
         engine's), and the tenant's rate limits, a request and, for tokens, its body's bytes
         (at most a token per byte: a 10 MB text kept the engines busy for 19 s, with every
         other tenant's requests waiting)."""
-        tenant = self.keys.authenticate(request.headers.get("authorization"))
-        require_json(request.headers.get("content-type"))
-        with self.tenant_slots.take(tenant.name if tenant is not None else None):
-            raw = await _read_body(request, self.settings)
+        async with self._tenant_body(request) as (tenant, raw, _):
             json_object(raw)
             await self.core.rate_limits.check(tenant, len(raw))
             return await self._any_engine("POST", path, raw)

@@ -222,9 +222,10 @@ async def test_a_limited_tenants_long_prompt_is_counted_exactly(model_dir):
 
 
 def test_a_rest_far_over_its_budget_is_encoded_only_about_that_far(model_dir):
-    """``PromptRest.encode_within`` encodes a group of chunks at a time and stops once over
-    its budget, and gives ``encode()``'s ids when within it."""
+    """``PromptRest.encode`` with a budget encodes a group of chunks at a time and stops once
+    over it, and gives the unbounded ids when within it (one batch per piece without one)."""
     from router.prompt.render import CHAT_PATH, PromptRenderer
+    from router.prompt.segments import PromptRest
 
     r = PromptRenderer(str(model_dir))
     r.segments.chunk_chars = 256
@@ -235,9 +236,17 @@ def test_a_rest_far_over_its_budget_is_encoded_only_about_that_far(model_dir):
     encoded = []
     real = r.segments._encode_chunks
     r.segments._encode_chunks = lambda chunks: encoded.extend(chunks) or real(chunks)
-    assert info.rest.encode_within(5000) is None
+    assert info.rest.encode(5000) is None
     assert sum(map(len, encoded)) < 5000 * 8 + 8 * 256 * 2  # far less than the ~500k
-    assert info.finish_within(len(want)) and info.token_ids == want
+    assert not info.finish(len(want) - 1) and info.rest is not None  # left as it was
+    assert info.finish(len(want)) and info.token_ids == want
+    fresh = PromptRenderer(str(model_dir))  # nothing cached
+    fresh.segments.chunk_chars = 256
+    unbounded = fresh.render(CHAT_PATH, body, head_chars=2048)
+    real, batches = fresh.segments._encode_chunks, []
+    fresh.segments._encode_chunks = lambda chunks: batches.append(len(chunks)) or real(chunks)
+    assert unbounded.finish() and unbounded.token_ids == want
+    assert batches and batches[0] > PromptRest.GROUP  # the piece's chunks in one batch
 
 
 async def test_a_peek_refuses_a_tenant_over_its_limit_and_counts_nothing(make_limiter):
@@ -257,6 +266,35 @@ async def test_a_peek_refuses_a_tenant_over_its_limit_and_counts_nothing(make_li
         await limiter.check(t, 1, peek=True)
     assert err.value.status == 429
     assert "requested" not in str(err.value)  # the request's cost is not known yet
+
+
+async def test_a_peek_asks_redis_only_for_a_tenant_seen_over_its_limit(make_limiter):
+    """A peek cost every request of a limited tenant a second Redis call; it now asks Redis
+    only when this process's counts put the tenant over, or after a refusal, until that
+    refusal's Retry-After ends (then a tenant driven over by other routers costs this one
+    one rendered request)."""
+    make, clock = make_limiter
+    here, other = make(), make()
+    if here.conn is None:
+        pytest.skip("one process's counters: no Redis to spare")
+    calls = []
+    real = here._check_redis
+    here._check_redis = lambda *a, **k: calls.append(a) or real(*a, **k)
+    t = Tenant("acme", requests_per_minute=3)
+    await here.check(t, 1, peek=True)
+    assert calls == []  # under its limit: no call
+    for _ in range(3):
+        await other.check(t, 1)  # another router uses the tenant's whole minute
+    await here.check(t, 1, peek=True)  # this process has not seen it over: passes
+    assert calls == []
+    with pytest.raises(OpenAIError):
+        await here.check(t, 1)  # the request's own check refuses it
+    with pytest.raises(OpenAIError) as err:
+        await here.check(t, 1, peek=True)  # now asked, and refused before any render
+    assert len(calls) == 2 and err.value.headers["retry-after"] == "60"
+    clock.advance(150.0)  # past the refusal's Retry-After, the old minute gone
+    await here.check(t, 1, peek=True)
+    assert len(calls) == 2
 
 
 def test_a_record_is_taken_back_from_the_window_it_was_counted_in():

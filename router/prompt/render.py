@@ -61,19 +61,19 @@ class PromptInfo:
         head plus ``rest.estimated_tokens``."""
         return len(self.token_ids) + (self.rest.estimated_tokens if self.rest else 0)
 
-    def finish(self) -> None:
-        """Encode the rest, if any: ``token_ids`` becomes the whole prompt's ids."""
-        if self.rest is not None:
-            self.token_ids = self.token_ids + self.rest.encode()
-            self.rest = None
+    def finish(self, budget: int | None = None) -> bool:
+        """Encode the rest, if any: ``token_ids`` becomes the whole prompt's ids (True).
 
-    def finish_within(self, budget: int) -> bool:
-        """``finish`` when the whole prompt is at most ``budget`` tokens (then True);
-        False, and the prompt left as it is, as soon as it is found longer
-        (``PromptRest.encode_within``: about ``budget`` tokens encoded at most)."""
+        With a ``budget`` (tokens): only when the whole prompt is at most that long; False,
+        and the prompt left as it is, as soon as it is found longer (``PromptRest.encode``:
+        about ``budget`` tokens encoded at most).
+
+        Raises:
+            Exception: what the tokenizer raises for text it refuses (a lone surrogate).
+        """
         if self.rest is None:
-            return len(self.token_ids) <= budget
-        ids = self.rest.encode_within(budget - len(self.token_ids))
+            return budget is None or len(self.token_ids) <= budget
+        ids = self.rest.encode(None if budget is None else budget - len(self.token_ids))
         if ids is None:
             return False
         self.token_ids = self.token_ids + ids

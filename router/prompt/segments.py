@@ -46,40 +46,36 @@ class PromptRest:
         self.nbytes = sum(map(utf8_len, chunks)) + sum(map(utf8_len, parts))
         self.estimated_tokens = round(self.nbytes * tokens_per_byte) + len(suffix)
 
-    def encode(self) -> list[int]:
+    GROUP = 8  # chunks encoded together between two counts, under a budget
+
+    def encode(self, budget: int | None = None) -> list[int] | None:
         """The rest's token ids (exactly what encoding the whole text would give after the
-        head's ids)."""
-        out: list[int] = []
-        if self.chunks:  # the last one is the piece's uncut rest (SegmentEncoder._chunks)
-            out = self.encoder._encode_chunks(
-                self.chunks[:-1] + self.encoder._cut(self.chunks[-1]))
-            if self.crossing is not None:
-                piece, head_ids = self.crossing
-                self.encoder._store(piece, head_ids + out, self.scope)
-        self.encoder._encode_parts(self.parts, self.parity, out, self.scope)
-        return out + self.suffix
+        head's ids).
 
-    GROUP = 8  # chunks encoded together by ``encode_within`` between two counts
-
-    def encode_within(self, budget: int) -> list[int] | None:
-        """``encode()``'s ids when they are at most ``budget`` tokens; None as soon as more
-        are found. The rest is encoded in groups of ``GROUP`` chunks (about 32k characters)
-        and counted after each, so a rest far over ``budget`` costs about ``budget`` tokens
-        of encoding, not its whole length (a tenant's token limit: a refused prompt must not
-        cost the router the tokenization of megabytes, again and again). A long piece with
-        no cut point (``_chunks``: CJK, base64) is one chunk, encoded whole."""
+        With a ``budget`` (tokens), None as soon as more than ``budget`` are found: the rest
+        is then encoded in groups of ``GROUP`` chunks (about 32k characters) and counted
+        after each, so a rest far over ``budget`` costs about ``budget`` tokens of encoding,
+        not its whole length (a tenant's token limit: a refused prompt must not cost the
+        router the tokenization of megabytes, again and again). A long piece with no cut
+        point (``SegmentEncoder._chunks``: CJK, base64) is one chunk, encoded whole. With
+        no budget, each long piece's chunks go to the tokenizer in one batch (all its
+        threads at once)."""
         enc, scope, suffix = self.encoder, self.scope, len(self.suffix)
         out: list[int] = []
 
+        def over(n: int) -> bool:
+            return budget is not None and n + suffix > budget
+
         def grouped(chunks: list[str]) -> list[int] | None:
+            step = self.GROUP if budget is not None else max(len(chunks), 1)
             ids: list[int] = []
-            for g in range(0, len(chunks), self.GROUP):
-                ids.extend(enc._encode_chunks(chunks[g:g + self.GROUP]))
-                if len(out) + len(ids) + suffix > budget:
+            for g in range(0, len(chunks), step):
+                ids.extend(enc._encode_chunks(chunks[g:g + step]))
+                if over(len(out) + len(ids)):
                     return None
             return ids
 
-        if self.chunks:
+        if self.chunks:  # the last one is the piece's uncut rest (SegmentEncoder._chunks)
             ids = grouped(self.chunks[:-1] + enc._cut(self.chunks[-1]))
             if ids is None:
                 return None
@@ -91,7 +87,7 @@ class PromptRest:
             if k % 2:  # an added token
                 out.append(enc._ids[piece])
             elif piece:
-                if len(piece) <= self.GROUP * max(enc.chunk_chars, 1) \
+                if budget is None or len(piece) <= self.GROUP * max(enc.chunk_chars, 1) \
                         or enc._cached(piece, scope) is not None:
                     ids = enc._piece(piece, scope)
                 else:
@@ -100,7 +96,7 @@ class PromptRest:
                         return None
                     enc._store(piece, ids, scope)
                 out.extend(ids)
-            if len(out) + suffix > budget:
+            if over(len(out)):
                 return None
         return out + self.suffix
 

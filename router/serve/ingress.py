@@ -323,24 +323,15 @@ class IngressCore:
             info.token_ids, cache_salt=info.cache_salt, lora_name=req.lora_name,
             lora_path=adapter.path if adapter else None) if info.cacheable else []
 
-    def _finish(self, req: RoutedRequest, info: PromptInfo) -> None:
-        """Encode the rest of a prompt whose head a replica holds, and hash it all. Text the
+    def _finish(self, req: RoutedRequest, info: PromptInfo, budget: int | None = None) -> bool:
+        """Encode the rest of a prompt whose head a replica holds, and hash it all (True).
+        With a ``budget`` (tokens), only when the whole prompt is at most that long: False
+        when it is longer, the prompt left unfinished (``PromptInfo.finish``). Text the
         tokenizer refuses (a lone surrogate...) leaves the request routed by load, as
-        ``PromptRenderer.render`` does: the engine gives the authoritative 400."""
+        ``PromptRenderer.render`` does: the engine gives the authoritative 400 (True: the
+        estimate stands)."""
         try:
-            info.finish()
-        except Exception as exc:
-            logger.debug("prompt rest not encoded (%s): routing by load", exc)
-            req.block_hashes = []
-            return
-        self._hash(req, info)
-
-    def _finish_within(self, req: RoutedRequest, info: PromptInfo, budget: int) -> bool:
-        """``_finish`` for a prompt of at most ``budget`` tokens (``finish_within``); False
-        when it is longer (the prompt left unfinished). Text the tokenizer refuses is left
-        to the engine, as ``_finish`` leaves it (True: the estimate stands)."""
-        try:
-            if not info.finish_within(budget):
+            if not info.finish(budget):
                 return False
         except Exception as exc:
             logger.debug("prompt rest not encoded (%s): routing by load", exc)
@@ -398,7 +389,7 @@ class IngressCore:
             # far as its limit can hold: a prompt over it costs about that many tokens of
             # encoding, however long it is
             budget = max(tenant.tokens_per_minute - req.max_output_tokens, 0)
-            if not await asyncio.to_thread(self._finish_within, req, info, budget):
+            if not await asyncio.to_thread(self._finish, req, info, budget):
                 raise prompt_over_limit(tenant, budget + 1 + req.max_output_tokens)
         if info.rest is not None and req.block_hashes:
             req.rest = _Rest(self, info)  # the routing step decides whether to encode it

@@ -159,7 +159,7 @@ def _refused(tenant: Tenant, kind: str, limit: int, used: int, cost: int | None,
 def prompt_over_limit(tenant: Tenant, at_least: int) -> OpenAIError:
     """The 429 of a request whose prompt alone is found over ``tenant``'s tokens-per-minute
     limit (more than ``at_least`` - 1 tokens, with its output) before it was encoded whole
-    (``PromptInfo.finish_within``): waiting will not help, so no ``Retry-After``."""
+    (``PromptInfo.finish`` with a budget): waiting will not help, so no ``Retry-After``."""
     from router import metrics
     metrics.inc("admission_refused", tags={"reason": "rate_limit_tokens"})
     limit = tenant.tokens_per_minute or 0
@@ -255,6 +255,9 @@ class RateLimiter:
         self.clock = clock or SystemClock()
         self.local = MemoryRateLimiter(self.clock)
         self.scripts = ScriptCache()
+        # tenant -> when its last refusal's Retry-After ends (one entry per configured
+        # tenant at most: tenants are the keys file's)
+        self._refused_until: dict[str, float] = {}
 
     async def check(self, tenant: Tenant | None, cost_tokens: int, peek: bool = False) -> None:
         """Count one request of ``cost_tokens`` tokens for ``tenant``, or refuse it.
@@ -262,7 +265,13 @@ class RateLimiter:
         ``peek``: count nothing, only refuse a request that would not fit; the ingress
         peeks with one token before it renders a request, so a tenant over its limit is
         refused before the router spends its CPU on the request (a 3.9 MB body took 2.4-3.2
-        s to render before its 429), then checks with the request's count.
+        s to render before its 429), then checks with the request's count. With Redis, a
+        peek asks it only for a tenant that this process's own counts (its share of the
+        tenant's use) put over a limit, or that it refused less than that refusal's
+        ``Retry-After`` ago; any other tenant's peek passes at no Redis call (most requests
+        of a limited tenant fit: the peek cost them a second Redis call each). A tenant
+        driven over its limit by other processes costs this one one rendered request
+        before its peeks ask Redis again.
 
         Raises:
             OpenAIError: 429 (``RateLimitError``) with ``Retry-After`` and
@@ -277,6 +286,10 @@ class RateLimiter:
         if not limits:
             return
         over = None
+        if peek and self.conn is not None and self.local.check_now(
+                tenant.name, limits, peek=True) is None \
+                and self._refused_until.get(tenant.name, 0.0) <= self.clock.now():
+            return
         if self.conn is not None:
             # counted here before Redis answers: a request whose call times out is checked
             # against this process's counts, which then hold the requests whose calls are
@@ -304,6 +317,8 @@ class RateLimiter:
             limit, cost = next((lim, c) for k, lim, c in limits if k == kind)
             from router import metrics
             metrics.inc("admission_refused", tags={"reason": f"rate_limit_{kind}"})
+            if retry_s > 0:  # the tenant's state (not this request's size): peeks ask Redis
+                self._refused_until[tenant.name] = self.clock.now() + retry_s
             raise _refused(tenant, kind, limit, used, None if peek else cost, retry_s)
 
     async def _check_redis(self, tenant: str, limits: list[tuple[str, int, int]],
