@@ -561,7 +561,9 @@ def measure_throughput(stack: Stack, processes: int, concurrency: int = 32,
         least ``ok``), ``cache_share`` (routed 200s decided by a cache match) and
         ``fallback`` (routed by this process's own counts: the index did not answer),
         CPU use over the run as a fraction of one core: ``ingress_cpu`` (mean per process),
-        ``client_cpu`` (mean per client), ``redis_cpu``.
+        ``client_cpu`` (mean per client), ``redis_cpu``; ``redis_us_per_request``: Redis's
+        CPU over the run per engine call (microseconds; every server summed), so one
+        Redis core holds about ``1e6 / redis_us_per_request`` routed requests/s.
     Raises:
         RuntimeError: a client process did not report within the run's time plus 120 s.
     """
@@ -607,7 +609,8 @@ def measure_throughput(stack: Stack, processes: int, concurrency: int = 32,
             "engine_calls": calls,
             "ingress_cpu": sum(cpu) / len(cpu) / elapsed,
             "client_cpu": sum(c for _, c in got) / len(got) / (warmup_s + window_s),
-            "redis_cpu": redis_cpu / elapsed}
+            "redis_cpu": redis_cpu / elapsed,
+            "redis_us_per_request": redis_cpu / max(calls, 1) * 1e6}
 
 
 async def _ttft(session, url: str, body: bytes) -> tuple[float, dict[str, float], bool]:
@@ -882,8 +885,8 @@ def tables(rows: list[dict], bursts: list[dict], mean_tokens: float,
     base = next((r for r in rows if r["processes"] == 1), None)
     t = ["| ingress processes | conversations | client processes | routed req/s | per process "
          "| speed-up vs 1 | latency p50 / p99 (ms) | failed | routed by cache / fallback | "
-         "CPU per ingress process | CPU per client | Redis CPU |",
-         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+         "CPU per ingress process | CPU per client | Redis CPU | Redis CPU per request |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         up = f"{r['rps'] / base['rps']:.2f}" if base else "-"
         t.append(f"| {r['processes']} | {r['concurrency'] * r['processes']} | {r['clients']} | "
@@ -891,7 +894,8 @@ def tables(rows: list[dict], bursts: list[dict], mean_tokens: float,
                  f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f} | {r['failed']} | "
                  f"{r['cache_share']:.0%} / {r['fallback']} | "
                  f"{r['ingress_cpu'] * 100:.0f} % | {r['client_cpu'] * 100:.0f} % | "
-                 f"{r['redis_cpu'] * 100:.0f} % |")
+                 f"{r['redis_cpu'] * 100:.0f} % | "
+                 f"{r.get('redis_us_per_request', float('nan')):.0f} us |")
     text = (f"Closed loop, 2k-token multi-turn chat turns (mean {mean_tokens:,.0f} prompt "
             f"tokens), streamed, 1 output token, {rows[0]['engines']} zero-time engines, "
             f"{redis_desc}; "

@@ -13,6 +13,7 @@ import json
 import time
 from typing import Any
 
+import ray
 from fastapi import Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from ray import serve
@@ -365,7 +366,12 @@ class Ingress:
         """The engine deployment's status as Serve's controller reports it (its state,
         message and replica states), asked at most every 5 s, one call at a time, waited for
         at most 1 s (then the last known, so a slow controller never holds up a health
-        probe); None when it cannot tell."""
+        probe); None when it cannot tell, and None at once where there is no engine
+        deployment to ask about (``num_replicas`` 0) or no Ray to ask (this class made
+        outside Ray Serve, as the benchmarks do: ``serve.status()`` would start a local
+        Ray instance there, from a thread, whose agents outlive the process)."""
+        if self.settings.num_replicas == 0 or not ray.is_initialized():
+            return None
         now = time.monotonic()
         cached = self._status_cache[1] if self._status_cache is not None else None
         if self._status_cache is not None and now - self._status_cache[0] < 5.0:

@@ -155,3 +155,25 @@ def test_ready_counts_the_replicas_serve_keeps_after_a_deployments_override():
     # autoscaling: min_replicas, whatever Serve runs now
     auto = Settings(autoscaling_config={"min_replicas": 2, "max_replicas": 5})
     assert engine_replicas_configured(auto, dep(DeploymentStatus.HEALTHY, RUNNING=5)) == 2
+
+
+def test_health_outside_ray_asks_serve_nothing_and_starts_no_ray():
+    """The ingress made outside Ray Serve (``loadtest.router_throughput``): ``/health``'s
+    question to Serve's controller (``serve.status()``) started a local Ray instance from a
+    thread, whose dashboard and runtime-env agents outlived the benchmark's processes."""
+    import asyncio
+
+    import pytest
+    import ray
+
+    from router import app as router_app
+
+    if ray.is_initialized():
+        pytest.skip("Ray already started in this process")
+    from types import SimpleNamespace
+
+    cls = router_app.Ingress.func_or_class.__mro__[1]  # the class @serve.ingress wraps
+    ingress = SimpleNamespace(settings=Settings(num_replicas=2), _status_cache=None,
+                              _status_call=None)  # what the method reads of its object
+    assert asyncio.run(cls._engine_deployment_status(ingress)) is None
+    assert not ray.is_initialized() and ingress._status_call is None

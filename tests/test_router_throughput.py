@@ -24,6 +24,8 @@ def test_the_kit_counts_routed_200s_that_the_engines_answered(model_dir):
     # answered the warm-up's and the window's unfinished requests)
     assert row["engine_calls"] >= row["ok"], row
     assert 0 < row["ingress_cpu"] and row["p50_ms"] > 0
+    assert row["redis_us_per_request"] > 0, row  # the decision and the release, at least
+    assert " us |" in tables([row], [], 2000.0)
     # the burst: every request routed and complete; its time splits into the router's own
     # (server-timing) and the rest, both measured per request
     assert burst["failed"] == 0 and burst["ok"] == 2 + 4, burst
