@@ -521,7 +521,7 @@ class Settings(BaseSettings):
     @field_validator("max_model_len", "kv_cache_memory_gib", "max_num_seqs",
                      "max_replicas_per_node", "load_factor", "index_shard_groups",
                      "max_inflight_per_replica", "sse_keepalive_s", "render_threads",
-                     mode="before")
+                     "tenant_max_inflight", mode="before")
     @classmethod
     def _none_spelled_out(cls, v: Any) -> Any:
         """An optional number's None as an environment variable can write it: ``none``,

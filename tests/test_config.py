@@ -171,6 +171,27 @@ def test_an_optional_numbers_none_can_be_given_as_a_variable(monkeypatch, text):
     assert s.render_threads is None
 
 
+def _optional_numbers() -> list[str]:
+    import typing
+
+    def optional_number(annotation) -> bool:
+        args = set(typing.get_args(annotation))
+        return type(None) in args and bool(args & {int, float})
+    return [name for name, f in Settings.model_fields.items() if optional_number(f.annotation)]
+
+
+@pytest.mark.parametrize("text", ["None", "null", ""])
+def test_every_optional_number_reads_none_from_a_variable(monkeypatch, text):
+    """docs/configuration.md: "An optional number is turned off (None) by ``none``,
+    ``null`` or an empty value" (an audit found ``tenant_max_inflight`` refused them)."""
+    names = _optional_numbers()
+    assert "tenant_max_inflight" in names and "load_factor" in names
+    for name in names:
+        monkeypatch.setenv(f"PREFIX_ROUTER_{name.upper()}", text)
+    s = Settings()
+    assert {name: getattr(s, name) for name in names} == dict.fromkeys(names)
+
+
 def test_autoscaling_given_one_key_per_variable(monkeypatch):
     """``PREFIX_ROUTER_AUTOSCALING_CONFIG__<KEY>`` values come as text: read as JSON (it was
     a TypeError at start, comparing '4' with 1)."""
