@@ -268,7 +268,14 @@ def _ingress_main(port: int, settings: dict, profile_path: str | None) -> None:
         import ray.serve
 
         cls = router_app.Ingress.func_or_class.__mro__[1]  # the class @serve.ingress wraps
-        ingress = cls(settings, _NoRayEngines())
+
+        class _Ingress(cls):
+            def __del__(self):
+                """Serve's stop hook is the class's async ``__del__``, awaited below; the
+                object's collection at exit then has nothing to do (calling the async one
+                there only made a coroutine never awaited, and Python's warning)."""
+
+        ingress = _Ingress(settings, _NoRayEngines())
         # Serve's class-based routes take ``self`` from the replica's context
         # (``serve.get_replica_context().servable_object``): here the one object made above
         ray.serve.get_replica_context = lambda: _ReplicaContext(ingress)
@@ -280,7 +287,7 @@ def _ingress_main(port: int, settings: dict, profile_path: str | None) -> None:
         try:
             await _server_class()(config).serve()
         finally:
-            await ingress.__del__()  # Serve's stop hook: the pooled connections close
+            await cls.__del__(ingress)  # Serve's stop hook: the pooled connections close
             if profiler is not None:
                 profiler.disable()
                 profiler.dump_stats(profile_path)
