@@ -157,23 +157,32 @@ def test_ready_counts_the_replicas_serve_keeps_after_a_deployments_override():
     assert engine_replicas_configured(auto, dep(DeploymentStatus.HEALTHY, RUNNING=5)) == 2
 
 
-def test_health_outside_ray_asks_serve_nothing_and_starts_no_ray():
+def test_health_outside_ray_asks_serve_nothing_and_starts_no_ray(monkeypatch):
     """The ingress made outside Ray Serve (``loadtest.router_throughput``): ``/health``'s
     question to Serve's controller (``serve.status()``) started a local Ray instance from a
-    thread, whose dashboard and runtime-env agents outlived the benchmark's processes."""
+    thread, whose dashboard and runtime-env agents outlived the benchmark's processes. Ray
+    not initialized (as in such a process; pytest's may have started it), nothing is asked;
+    nor with ``num_replicas`` 0, where no engine deployment exists."""
     import asyncio
+    from types import SimpleNamespace
 
-    import pytest
     import ray
+    from ray import serve
 
     from router import app as router_app
 
-    if ray.is_initialized():
-        pytest.skip("Ray already started in this process")
-    from types import SimpleNamespace
-
+    asked = []
+    monkeypatch.setattr(serve, "status", lambda: asked.append(1))
     cls = router_app.Ingress.func_or_class.__mro__[1]  # the class @serve.ingress wraps
-    ingress = SimpleNamespace(settings=Settings(num_replicas=2), _status_cache=None,
-                              _status_call=None)  # what the method reads of its object
-    assert asyncio.run(cls._engine_deployment_status(ingress)) is None
-    assert not ray.is_initialized() and ingress._status_call is None
+
+    def deployment_status(num_replicas: int):
+        ingress = SimpleNamespace(settings=Settings(num_replicas=num_replicas),
+                                  _status_cache=None, _status_call=None)
+        return asyncio.run(cls._engine_deployment_status(ingress))
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    assert deployment_status(2) is None and asked == []
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    assert deployment_status(0) is None and asked == []
+    deployment_status(2)  # in Ray, with engines in Ray: asked
+    assert asked == [1]
