@@ -153,7 +153,7 @@ def engine_replicas_configured(settings, deployment: dict | None) -> int:
     is still being deployed or updated. ``deployment``: ``{"status": "DeploymentStatus.X"
     or "X", "replica_states": {state: count}}`` or None."""
     if deployment is None or settings.autoscaling_config is not None \
-            or settings.num_replicas == 0:  # none in Ray (``engine_deployment``'s pinned zero)
+            or not settings.engines_in_ray:
         return settings.configured_replicas
     status = str(deployment.get("status", "")).rsplit(".", 1)[-1]
     if status not in _SETTLED_DEPLOYMENT_STATES:
@@ -232,8 +232,8 @@ class Ingress:
         queued call, and started an engine replica that no one asked for. Opens the
         process's Redis connections first (``IngressCore.open_connections``)."""
         await self.core.open_connections()
-        if self.settings.num_replicas == 0 and self.settings.autoscaling_config is None:
-            return  # no engine in Ray: a call would make Serve start one from zero
+        if not self.settings.engines_in_ray:
+            return  # a call would make Serve start one from zero
         response = self.engine_handle.ping.remote()
         try:
             async with asyncio.timeout(timeout_s):
@@ -370,7 +370,7 @@ class Ingress:
         deployment to ask about (``num_replicas`` 0) or no Ray to ask (this class made
         outside Ray Serve, as the benchmarks do: ``serve.status()`` would start a local
         Ray instance there, from a thread, whose agents outlive the process)."""
-        if self.settings.num_replicas == 0 or not ray.is_initialized():
+        if not self.settings.engines_in_ray or not ray.is_initialized():
             return None
         now = time.monotonic()
         cached = self._status_cache[1] if self._status_cache is not None else None
@@ -538,7 +538,7 @@ def engine_deployment(settings: Settings):
         from router.serve.autoscaling import engine_autoscaling_config
         scale: dict[str, Any] = {
             "autoscaling_config": engine_autoscaling_config(settings.autoscaling_config)}
-    elif settings.num_replicas > 0:
+    elif settings.engines_in_ray:
         scale = {"num_replicas": settings.num_replicas}
     else:  # Serve refuses num_replicas=0; an autoscaler pinned at zero is the same thing
         scale = {"autoscaling_config": {"min_replicas": 0, "initial_replicas": 0,

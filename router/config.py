@@ -573,6 +573,14 @@ class Settings(BaseSettings):
         return max(int(self.autoscaling_config.get("min_replicas", 1)), 1)
 
     @property
+    def engines_in_ray(self) -> bool:
+        """Whether Ray runs engine replicas: False with ``num_replicas`` 0, the engines all
+        reached by URL (``external_engines``; ``router.app.engine_deployment`` then pins the
+        engine deployment at zero). With autoscaling, True (``min_replicas`` is at least 1,
+        and ``num_replicas`` cannot be given beside it)."""
+        return self.autoscaling_config is not None or self.num_replicas > 0
+
+    @property
     def ingress_max_ongoing(self) -> int:
         """Requests Serve lets one ingress process hold at once (``max_ongoing_requests``
         times the most engine replicas, at least 100)."""
