@@ -39,7 +39,7 @@ import uuid
 
 import redis.asyncio
 
-from loadtest.report import RESULTS, write_benchmark_doc
+from loadtest.report import RESULTS, markdown_table, write_benchmark_doc
 from loadtest.report import percentile as pct
 from router.index.redis import RedisConnections, RedisPrefixIndex
 from router.kv_events.wire import EventKind, KVEvent
@@ -844,8 +844,7 @@ async def bench_calls(url: str, iters: int = 30000, block: int = 200) -> dict:
 
 def one_row_table(header: list[str], cells: list) -> str:
     """A markdown table of ``header`` and one row of ``cells`` (as ``str`` gives them)."""
-    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
-                      "| " + " | ".join(str(c) for c in cells) + " |"])
+    return markdown_table(header, [cells])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,6 +23,12 @@ def percentile(xs: Sequence[float], q: float, empty: T = None) -> float | T:
     return xs[min(int(q * len(xs)), len(xs) - 1)]
 
 
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence]) -> str:
+    """A markdown table of ``header`` and ``rows`` (cells as ``str`` gives them)."""
+    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+                     + ["| " + " | ".join(str(c) for c in row) + " |" for row in rows])
+
+
 def write_benchmark_doc(section: str, command: str, table: str, notes: str = "") -> None:
     """Replace (or append) ``## <section>`` in docs/benchmarks.md with the table."""
     doc = ROOT / "docs" / "benchmarks.md"

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, NewType, Sequence
 
 import cbor2
+import numpy as np
 import xxhash
 
 BlockHash = NewType("BlockHash", int)
@@ -65,6 +66,69 @@ _HASH_FUNCTIONS: dict[str, Callable[[Any], bytes]] = {
     "xxhash_cbor": _xxhash_cbor,
     "sha256_cbor": _sha256_cbor,
 }
+# the same digests of CBOR already encoded (bytes in, digest out)
+_RAW_HASH_FUNCTIONS: dict[str, Callable[[bytes], bytes]] = {
+    "xxhash_cbor": xxhash.xxh3_128_digest,
+    "sha256_cbor": lambda data: hashlib.sha256(data).digest(),
+}
+
+
+def cbor_head(major: int, arg: int) -> bytes:
+    """The head of a CBOR data item of major type ``major`` (0 unsigned int, 2 byte string,
+    4 array, ...) whose argument (value or length) is ``arg`` >= 0, in its shortest form,
+    as every encoder writes it and as deterministic encoding requires (RFC 8949, sections
+    3 and 4.2.1)."""
+    m = major << 5
+    if arg < 24:
+        return bytes((m | arg,))
+    if arg < 1 << 8:
+        return bytes((m | 24, arg))
+    if arg < 1 << 16:
+        return bytes((m | 25,)) + arg.to_bytes(2, "big")
+    if arg < 1 << 32:
+        return bytes((m | 26,)) + arg.to_bytes(4, "big")
+    return bytes((m | 27,)) + arg.to_bytes(8, "big")
+
+
+def cbor_token_blocks(packed: bytes, block_size: int) -> tuple[bytes, list[int]] | None:
+    """The CBOR encodings of the token ids of every full block, as one buffer, and where
+    each block's run starts: block ``i``'s ids are ``buf[offsets[i]:offsets[i + 1]]``, the
+    concatenated encodings of its ``block_size`` ints (without the array head that a tuple
+    of them starts with, ``cbor_head(4, block_size)``).
+
+    An unsigned int's CBOR is its value alone below 24, else a byte ``0x18``, ``0x19`` or
+    ``0x1a`` followed by its value in 1, 2 or 4 bytes, big-endian, the shortest that holds
+    it (RFC 8949 3 and 4.2.1: what ``cbor2`` writes, canonical or not). Here every id is
+    encoded at once with numpy: each id's 5 candidate bytes in a row, the ones its width
+    uses selected. About 30 ns per id on the 2-core VM; a block's tuple made and encoded by
+    ``cbor2.dumps`` then hashed costs about 130 ns per id (docs/benchmarks.md, "Block
+    hashes").
+
+    Args:
+        packed: the ids as native unsigned 64-bit words (``array("Q", ids).tobytes()``);
+            those past the last full block are ignored.
+    Returns:
+        (buffer, ``n + 1`` offsets) for the ``n = len(ids) // block_size`` full blocks, or
+        None when an id is ``2**32`` or more (no tokenizer's vocabulary is that large; the
+        caller then hashes block by block).
+    """
+    n = len(packed) // 8 // block_size * block_size
+    v = np.frombuffer(packed, dtype=np.uint64, count=n)
+    if n == 0 or v.max() >= 1 << 32:
+        return None if n else (b"", [0])
+    over23, over255, over65535 = v >= 24, v >= 256, v >= 65536
+    rows = np.empty((n, 5), np.uint8)  # the head byte, then the value in 4 bytes
+    rows[:, 1:] = v.astype(">u4").view(np.uint8).reshape(n, 4)
+    rows[:, 0] = np.where(over23, 0x18 + over255.view(np.uint8) + over65535.view(np.uint8),
+                          v.astype(np.uint8))
+    used = np.empty((n, 5), bool)  # the head byte, and the last 0, 1, 2 or 4 value bytes
+    used[:, 0] = True
+    used[:, 1] = used[:, 2] = over65535
+    used[:, 3] = over255
+    used[:, 4] = over23
+    widths = 1 + over23.view(np.uint8).astype(np.int64) + over255 + 2 * over65535.view(np.uint8)
+    ends = np.cumsum(widths)
+    return rows[used].tobytes(), [0] + ends[block_size - 1::block_size].tolist()
 
 
 def to_block_hash(digest: bytes | int) -> BlockHash:
@@ -79,6 +143,15 @@ def to_block_hash(digest: bytes | int) -> BlockHash:
     if isinstance(digest, int):
         return BlockHash(digest & _U64)
     return BlockHash(int.from_bytes(digest, "big") & _U64)
+
+
+def index_keys(digests: Sequence[bytes]) -> list[BlockHash]:
+    """``to_block_hash`` of each digest (all of one length, a multiple of 8 bytes), in one
+    pass over their bytes."""
+    if len(digests) < 8:
+        return [to_block_hash(d) for d in digests]
+    words = len(digests[0]) // 8
+    return np.frombuffer(b"".join(digests), dtype=">u8")[words - 1::words].tolist()
 
 
 @dataclass(frozen=True)
@@ -144,7 +217,12 @@ class BlockHasher:
                  recent_tokens: int = 2_000_000):
         self.settings = settings
         self._fn = _HASH_FUNCTIONS[settings.hash_algo]
+        self._raw = _RAW_HASH_FUNCTIONS[settings.hash_algo]
         self.none_hash: bytes = self._fn(settings.seed)
+        # what every block's CBOR opens with: the 3-array (parent, tokens, extra keys) and
+        # the parent digest's byte-string head; then the tokens' array head
+        self._item_head = cbor_head(4, 3) + cbor_head(2, len(self.none_hash))
+        self._tokens_head = cbor_head(4, settings.block_size)
         # cached prompts, oldest first: id -> [token ids as 8-byte words, digests, index
         # keys, checkpoints pointing at it]; at most ``recent`` prompts and
         # ``recent_tokens`` tokens (about 60 bytes per token held)
@@ -161,6 +239,53 @@ class BlockHasher:
         """The full digest of one block: ``H((parent or NONE_HASH, tuple(tokens), extra_keys))``."""
         return self._fn((parent if parent is not None else self.none_hash,
                          tuple(map(int, tokens)), extra_keys))
+
+    # a prompt's blocks past the first are encoded together (cbor_token_blocks) from this
+    # many blocks to compute on; below it one cbor2 call per block costs as little (new
+    # prompts on the 2-core VM, block_hashes: 8 blocks 46 against 45 us, 12 blocks 52
+    # against 70, 32 blocks 87 against 190; docs/benchmarks.md, "Block hashes")
+    BULK_MIN_BLOCKS = 8
+
+    def _encode(self, packed: bytes, start: int, stop: int) -> tuple | None:
+        """Blocks ``start..stop - 1`` in CBOR (``cbor_token_blocks``), as ``(start, buffer,
+        offsets)``, from ``packed`` (the prompt's ids as 8-byte words); None below
+        ``BULK_MIN_BLOCKS`` blocks or for ids past ``2**32``: those are hashed block by
+        block (``block_digest``)."""
+        if stop - start < self.BULK_MIN_BLOCKS:
+            return None
+        width = 8 * self.settings.block_size
+        encoded = cbor_token_blocks(packed[start * width:stop * width],
+                                    self.settings.block_size)
+        return None if encoded is None else (start,) + encoded
+
+    def _run(self, parent: bytes, ids: Sequence[int], start: int, stop: int,
+             encoded: tuple | None, extras: tuple[tuple | None, tuple | None] = (None, None)
+             ) -> list[bytes]:
+        """The digests of blocks ``start..stop - 1`` of ``ids``, chained from ``parent``
+        (block ``start - 1``'s digest, or NONE_HASH for block 0), from ``encoded``
+        (``_encode``'s, covering these blocks) or else block by block; ``extras``: the extra
+        keys of block 0 and of every later block (``block_extra_keys``)."""
+        out: list[bytes] = []
+        if encoded is None:
+            bs = self.settings.block_size
+            for i in range(start, stop):
+                parent = self.block_digest(parent, ids[i * bs:(i + 1) * bs],
+                                           extras[1 if i else 0])
+                out.append(parent)
+            return out
+        first, buf, offs = encoded
+        # each block's CBOR: the 3-array and the parent's head, the parent, the tokens'
+        # array head, the tokens, the extra keys (a CBOR array is its head followed by its
+        # items' encodings, RFC 8949 3.1: the bytes block_digest hashes)
+        raw, join, item_head, tokens_head = self._raw, b"".join, self._item_head, \
+            self._tokens_head
+        first_extra, later_extra = _cbor(extras[0]), _cbor(extras[1])
+        for i in range(start, stop):
+            k = i - first
+            parent = raw(join((item_head, parent, tokens_head, buf[offs[k]:offs[k + 1]],
+                               later_extra if i else first_extra)))
+            out.append(parent)
+        return out
 
     def block_extra_keys(self, block_index: int, cache_salt: str | None,
                          lora_name: str | None, lora_path: str | None = None) -> tuple | None:
@@ -201,20 +326,18 @@ class BlockHasher:
         bs = self.settings.block_size
         n = len(token_ids) // bs
         ids = token_ids[:n * bs] if type(token_ids) is list else list(token_ids[:n * bs])
-        if lora_name is None and cache_salt is None and n:
-            try:
-                packed = array("Q", ids).tobytes()  # the cache's key; refuses negative ids
-            except (OverflowError, TypeError):
-                packed = None
-            if packed is not None:
-                return self._plain_chain(ids, packed)
-        digests: list[bytes] = []
-        parent: bytes | None = None
-        for i in range(n):
-            extra = self.block_extra_keys(i, cache_salt, lora_name, lora_path)
-            parent = self.block_digest(parent, ids[i * bs:(i + 1) * bs], extra)
-            digests.append(parent)
-        return digests, [to_block_hash(d) for d in digests]
+        try:
+            packed = array("Q", ids).tobytes()  # the cache's key; refuses negative ids
+        except (OverflowError, TypeError):
+            packed = None
+        if lora_name is None and cache_salt is None and n and packed is not None:
+            return self._plain_chain(ids, packed)
+        # block 0's extra keys differ from the later blocks' only by the cache salt
+        extras = (self.block_extra_keys(0, cache_salt, lora_name, lora_path),
+                  self.block_extra_keys(1, cache_salt, lora_name, lora_path))
+        encoded = self._encode(packed, 0, n) if packed is not None else None
+        digests = self._run(self.none_hash, ids, 0, n, encoded, extras)
+        return digests, index_keys(digests)
 
     def _plain_chain(self, ids: list[int], packed: bytes) -> tuple[list[bytes], list[BlockHash]]:
         """``_chain`` without extra keys, reusing the blocks shared with recent prompts
@@ -224,6 +347,7 @@ class BlockHasher:
         n = len(ids) // bs
         first = self.block_digest(None, ids[:bs])
         digests, keys = [first], [to_block_hash(first)]
+        entry = None  # the recent prompt that holds the last checkpoint looked up
         while True:
             pos = len(digests) - 1  # blocks 0..pos are known
             if pos % step == 0:
@@ -247,10 +371,20 @@ class BlockHasher:
                         continue
             if len(digests) >= n:
                 break
+            # the blocks up to the next checkpoint block, where a recent prompt may take
+            # over; once no recent prompt holds a checkpoint (a new prompt, or past what
+            # others share), none holds a later one of this prompt either (it would hold
+            # this one, and a checkpoint's newest holder is dropped only after the older
+            # ones: _remember), so the rest is hashed in one go
             i = len(digests)
-            parent = self.block_digest(digests[-1], ids[i * bs:(i + 1) * bs])
-            digests.append(parent)
-            keys.append(to_block_hash(parent))
+            stop, encoded = min(n, -(-i // step) * step + 1), None
+            if entry is None:
+                encoded = self._encode(packed, i, n)
+                if encoded is not None:
+                    stop = n
+            new = self._run(digests[-1], ids, i, stop, encoded)
+            digests += new
+            keys += index_keys(new)
         self._remember(packed, digests, keys)
         return list(digests), list(keys)
 

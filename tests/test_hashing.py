@@ -1,8 +1,11 @@
 """Block hashes: vLLM 0.32's test vectors (reference section 3.3) and chain properties."""
 
+from array import array
+
 import pytest
 
-from router.hashing import BlockHasher, HashConfigError, HashSettings, to_block_hash
+from router.hashing import (BlockHasher, HashConfigError, HashSettings, cbor_head,
+                            cbor_token_blocks, to_block_hash)
 
 
 def hasher(**kw):
@@ -130,6 +133,14 @@ def test_a_conversations_next_turn_reuses_its_own_history_after_others_came_betw
         return digest(*args)
 
     hasher.block_digest = counting
+    raw = hasher._raw
+
+    def counting_raw(*args):  # the blocks hashed from the bulk encoding count too
+        nonlocal computed
+        computed += 1
+        return raw(*args)
+
+    hasher._raw = counting_raw
     system = [rng.randrange(50_000) for _ in range(16 * 37 + 5)]
     convs = [list(system) for _ in range(4)]
     for turn in range(6):
@@ -148,3 +159,60 @@ def test_recent_prompt_cache_stays_within_its_token_budget():
     for k in range(20):
         h.block_hashes([k * 1000 + i for i in range(64)])
     assert 0 < h._recent_bytes <= 8 * 200 and len(h._recent) == 3
+
+
+# ids of every width of a CBOR unsigned int: 1 byte below 24, then 2, 3 and 5 bytes (9
+# bytes from 2**32: no vocabulary is that large, and such prompts are hashed block by block)
+_EDGES = [0, 1, 23, 24, 255, 256, 65535, 65536, 2**32 - 1]
+_HUGE = [2**32, 2**64 - 1]
+
+
+def test_bulk_encoding_is_cbor2s_encoding_of_each_block():
+    """``cbor_token_blocks`` cuts one encoding of the whole prompt at the blocks' edges:
+    each piece, behind the array head of a block, is cbor2's encoding of that block's
+    tuple, for ids of every width and block sizes on both sides of the heads' 24."""
+    import random
+
+    import cbor2
+    rng = random.Random(3)
+    for bs in (16, 32, 24, 200):
+        ids = [rng.choice(_EDGES) if rng.random() < 0.3 else rng.randrange(300_000)
+               for _ in range(bs * 9 + 5)]
+        buf, offs = cbor_token_blocks(array("Q", ids).tobytes(), bs)
+        assert len(offs) == 10
+        for i in range(9):
+            assert cbor_head(4, bs) + buf[offs[i]:offs[i + 1]] == \
+                cbor2.dumps(tuple(ids[i * bs:(i + 1) * bs]), canonical=True)
+    for arg in (0, 23, 24, 255, 256, 65535, 65536):
+        assert cbor_head(2, arg) + b"x" * arg == cbor2.dumps(b"x" * arg)
+    for arg in _EDGES + _HUGE:
+        assert cbor_head(0, arg) == cbor2.dumps(arg)
+    assert cbor_token_blocks(array("Q", [1] * 31 + [2**32]).tobytes(), 32) is None
+
+
+@pytest.mark.parametrize("algo", ["xxhash_cbor", "sha256_cbor"])
+@pytest.mark.parametrize("encoding", ["vllm-0.32", "vllm-0.26"])
+def test_bulk_hashes_equal_block_by_block_hashes(algo, encoding):
+    """Prompts long enough for the bulk encoding (``BULK_MIN_BLOCKS`` and more) hash as the
+    block-by-block chain does (``block_digest``, checked against vLLM's vectors above):
+    plain, with a cache salt, with a LoRA adapter, and with both; ids of every width, and
+    one past ``2**32``."""
+    import random
+    rng = random.Random(11)
+    h = hasher(hash_algo=algo, extra_key_encoding=encoding)
+    bs = h.settings.block_size
+    for n_blocks, huge in ((BlockHasher.BULK_MIN_BLOCKS - 1, False),
+                           (BlockHasher.BULK_MIN_BLOCKS, False), (40, False), (40, True)):
+        ids = [rng.choice(_EDGES) if rng.random() < 0.2 else rng.randrange(150_000)
+               for _ in range(n_blocks * bs + 3)]
+        if huge:  # one id past 2**32: the whole prompt hashed block by block
+            ids[n_blocks * bs // 2] = _HUGE[0]
+        for salt, lora in ((None, None), ("s1", None), (None, "ad"), ("s1", "ad")):
+            path = "/loras/ad" if lora else None
+            parent, want = None, []
+            for i in range(n_blocks):
+                parent = h.block_digest(parent, ids[i * bs:(i + 1) * bs],
+                                        h.block_extra_keys(i, salt, lora, path))
+                want.append(to_block_hash(parent))
+            assert h.block_hashes(ids, cache_salt=salt, lora_name=lora,
+                                  lora_path=path) == want, (n_blocks, salt, lora)
