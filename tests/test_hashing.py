@@ -216,3 +216,26 @@ def test_bulk_hashes_equal_block_by_block_hashes(algo, encoding):
                 want.append(to_block_hash(parent))
             assert h.block_hashes(ids, cache_salt=salt, lora_name=lora,
                                   lora_path=path) == want, (n_blocks, salt, lora)
+
+
+def test_bulk_and_block_by_block_hashes_agree_on_random_prompts():
+    """Random prompts over block sizes from 1 to 300 (the tokens' array head in each of its
+    forms), lengths around ``BULK_MIN_BLOCKS`` and well past it, ids of every width, and the
+    cache of recent prompts in play (prompts extending, cutting and changing earlier ones)."""
+    import random
+    rng = random.Random(17)
+    for bs in (1, 3, 16, 23, 24, 25, 32, 64, 255, 256, 300):
+        h = BlockHasher(HashSettings(block_size=bs, seed="7"), recent=8)
+        earlier: list[list[int]] = []
+        for _ in range(12):
+            n = rng.choice((1, 7, 8, 9, 20, 70)) * bs + rng.randrange(bs)
+            if earlier and rng.random() < 0.5:  # an earlier prompt extended, cut or changed
+                ids = list(rng.choice(earlier))[:n] + [rng.randrange(40_000)
+                                                       for _ in range(rng.randrange(3 * bs))]
+                if ids and rng.random() < 0.3:
+                    ids[rng.randrange(len(ids))] = rng.choice(_EDGES)
+            else:
+                ids = [rng.choice(_EDGES) if rng.random() < 0.1 else rng.randrange(151_936)
+                       for _ in range(n)]
+            earlier.append(ids)
+            assert h.block_hashes(ids) == _reference(h, ids), (bs, len(ids))
