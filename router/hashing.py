@@ -78,7 +78,7 @@ def cbor_head(major: int, arg: int) -> bytes:
     4 array, ...) whose argument (value or length) is ``arg`` >= 0, in its shortest form,
     as every encoder writes it and as deterministic encoding requires (RFC 8949, sections
     3 and 4.2.1)."""
-    m = major << 5
+    m, arg = major << 5, int(arg)
     if arg < 24:
         return bytes((m | arg,))
     if arg < 1 << 8:
@@ -109,8 +109,8 @@ def cbor_token_blocks(packed: bytes, block_size: int) -> tuple[bytes, list[int]]
             those past the last full block are ignored.
     Returns:
         (buffer, ``n + 1`` offsets) for the ``n = len(ids) // block_size`` full blocks, or
-        None when an id is ``2**32`` or more (no tokenizer's vocabulary is that large; the
-        caller then hashes block by block).
+        None when an id is ``2**32`` or more (no tokenizer's vocabulary is that large, but
+        a completions request may send any ids; the caller then hashes block by block).
     """
     n = len(packed) // 8 // block_size * block_size
     v = np.frombuffer(packed, dtype=np.uint64, count=n)
@@ -204,7 +204,8 @@ class BlockHasher:
     its end. A cached prompt is found by its digest at every ``CHECKPOINT``-th block (0,
     4, 8, ...), the newest prompt holding each: a new prompt looks up its first block,
     takes the blocks it shares with that prompt, computes at most ``CHECKPOINT`` more
-    digests to its next checkpoint, and looks again there. So a conversation's next turn
+    digests to its next checkpoint, and looks again there, until a checkpoint no cached
+    prompt holds: from there on it computes the rest at once. So a conversation's next turn
     finds its own previous turn even when another conversation with the same system prompt
     came in between (keyed by the first block alone, it found only the latest of them and
     recomputed its own history after the system prompt). Thread-safe (the cache under a
@@ -240,8 +241,9 @@ class BlockHasher:
         return self._fn((parent if parent is not None else self.none_hash,
                          tuple(map(int, tokens)), extra_keys))
 
-    # a prompt's blocks past the first are encoded together (cbor_token_blocks) from this
-    # many blocks to compute on; below it one cbor2 call per block costs as little (new
+    # the blocks a prompt has to hash are encoded together (cbor_token_blocks) from this
+    # many on (past its first block, hashed alone to look up the cache of recent prompts,
+    # unless it has extra keys); below it one cbor2 call per block costs as little (new
     # prompts on the 2-core VM, block_hashes: 8 blocks 46 against 45 us, 12 blocks 52
     # against 70, 32 blocks 87 against 190; docs/benchmarks.md, "Block hashes")
     BULK_MIN_BLOCKS = 8
@@ -249,8 +251,8 @@ class BlockHasher:
     def _encode(self, packed: bytes, start: int, stop: int) -> tuple | None:
         """Blocks ``start..stop - 1`` in CBOR (``cbor_token_blocks``), as ``(start, buffer,
         offsets)``, from ``packed`` (the prompt's ids as 8-byte words); None below
-        ``BULK_MIN_BLOCKS`` blocks or for ids past ``2**32``: those are hashed block by
-        block (``block_digest``)."""
+        ``BULK_MIN_BLOCKS`` blocks or with an id of ``2**32`` or more: those blocks are
+        hashed block by block (``block_digest``)."""
         if stop - start < self.BULK_MIN_BLOCKS:
             return None
         width = 8 * self.settings.block_size
@@ -326,11 +328,13 @@ class BlockHasher:
         bs = self.settings.block_size
         n = len(token_ids) // bs
         ids = token_ids[:n * bs] if type(token_ids) is list else list(token_ids[:n * bs])
-        try:
-            packed = array("Q", ids).tobytes()  # the cache's key; refuses negative ids
-        except (OverflowError, TypeError):
-            packed = None
-        if lora_name is None and cache_salt is None and n and packed is not None:
+        plain, packed = lora_name is None and cache_salt is None, None
+        if n and (plain or n >= self.BULK_MIN_BLOCKS):
+            try:
+                packed = array("Q", ids).tobytes()  # the cache's key; refuses negative ids
+            except (OverflowError, TypeError):
+                pass
+        if plain and packed is not None:
             return self._plain_chain(ids, packed)
         # block 0's extra keys differ from the later blocks' only by the cache salt
         extras = (self.block_extra_keys(0, cache_salt, lora_name, lora_path),
@@ -378,10 +382,8 @@ class BlockHasher:
             # ones: _remember), so the rest is hashed in one go
             i = len(digests)
             stop, encoded = min(n, -(-i // step) * step + 1), None
-            if entry is None:
-                encoded = self._encode(packed, i, n)
-                if encoded is not None:
-                    stop = n
+            if entry is None:  # (block by block when the ids do not fit the bulk encoding)
+                stop, encoded = n, self._encode(packed, i, n)
             new = self._run(digests[-1], ids, i, stop, encoded)
             digests += new
             keys += index_keys(new)

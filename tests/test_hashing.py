@@ -239,3 +239,22 @@ def test_bulk_and_block_by_block_hashes_agree_on_random_prompts():
                        for _ in range(n)]
             earlier.append(ids)
             assert h.block_hashes(ids) == _reference(h, ids), (bs, len(ids))
+
+
+def test_a_prompt_the_bulk_encoding_refuses_is_encoded_once_not_at_every_checkpoint():
+    """An id of 2**32 or more (a completions request may send any) leaves a new prompt to
+    be hashed block by block: its rest is tried for the bulk encoding once, not again at
+    each checkpoint (which made the work grow with the square of the prompt's length)."""
+    h = hasher()
+    tries = 0
+    encode = h._encode
+
+    def counting(*args):
+        nonlocal tries
+        tries += 1
+        return encode(*args)
+
+    h._encode = counting
+    ids = list(range(32 * 200)) + [2**32] * 32
+    assert h.block_hashes(ids) == _reference(h, ids)
+    assert tries == 1
