@@ -84,8 +84,8 @@ def table(rows: list[dict]) -> str:
 
 
 NOTES = """Block size 32, `xxhash_cbor`, ids drawn uniformly from a 151,936-token vocabulary
-(1-, 2-, 3- and 5-byte CBOR ints). Medians of 5 rounds, the two ways alternating in each;
-the two give the same digests (checked on every prompt). "Per block" is the digest chain
+(1-, 2-, 3- and 5-byte CBOR ints). Medians of 5 rounds, each timing both ways on the
+same new prompts; the two give the same digests (checked on every prompt). "Per block" is the digest chain
 alone (`BlockHasher.block_digest`, one `cbor2.dumps` per block), which is what
 `block_hashes` spent per block before the bulk encoding, without its cache's upkeep;
 "bulk" is `block_hashes` itself, upkeep included, so the speed-up understates the change.
