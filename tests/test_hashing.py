@@ -12,6 +12,19 @@ def hasher(**kw):
     return BlockHasher(HashSettings(**{"block_size": 32, "seed": "0", **kw}))
 
 
+def counted(obj, name: str) -> list[int]:
+    """Replace method ``name`` of ``obj`` by one that counts its calls; the count is the
+    returned list's one item."""
+    calls, fn = [0], getattr(obj, name)
+
+    def counting(*args):
+        calls[0] += 1
+        return fn(*args)
+
+    setattr(obj, name, counting)
+    return calls
+
+
 def test_xxhash_cbor_matches_vllm_test_vectors():
     h = hasher(hash_algo="xxhash_cbor")
     assert h.none_hash.hex() == "1ebe36576dcb573f26b99533a20aaeca"
@@ -124,30 +137,16 @@ def test_a_conversations_next_turn_reuses_its_own_history_after_others_came_betw
     import random
     rng = random.Random(7)
     hasher = BlockHasher(HashSettings(block_size=16, hash_algo="xxhash_cbor", seed="0"))
-    computed = 0
-    digest = hasher.block_digest
-
-    def counting(*args):
-        nonlocal computed
-        computed += 1
-        return digest(*args)
-
-    hasher.block_digest = counting
-    raw = hasher._raw
-
-    def counting_raw(*args):  # the blocks hashed from the bulk encoding count too
-        nonlocal computed
-        computed += 1
-        return raw(*args)
-
-    hasher._raw = counting_raw
+    # the blocks hashed one by one, and those hashed from the bulk encoding
+    counts = [counted(hasher, "block_digest"), counted(hasher, "_raw")]
     system = [rng.randrange(50_000) for _ in range(16 * 37 + 5)]
     convs = [list(system) for _ in range(4)]
     for turn in range(6):
         for c in convs:
             c += [rng.randrange(50_000) for _ in range(16 * 3)]  # 3 new blocks a turn
-            computed = 0
-            got, used = hasher.block_hashes(c), computed
+            before = sum(n[0] for n in counts)
+            got = hasher.block_hashes(c)
+            used = sum(n[0] for n in counts) - before
             assert got == _reference(hasher, c)
             if turn > 0:
                 assert used <= 1 + BlockHasher.CHECKPOINT + 4, (turn, used)
@@ -246,15 +245,7 @@ def test_a_prompt_the_bulk_encoding_refuses_is_encoded_once_not_at_every_checkpo
     be hashed block by block: its rest is tried for the bulk encoding once, not again at
     each checkpoint (which made the work grow with the square of the prompt's length)."""
     h = hasher()
-    tries = 0
-    encode = h._encode
-
-    def counting(*args):
-        nonlocal tries
-        tries += 1
-        return encode(*args)
-
-    h._encode = counting
+    tries = counted(h, "_encode")
     ids = list(range(32 * 200)) + [2**32] * 32
     assert h.block_hashes(ids) == _reference(h, ids)
-    assert tries == 1
+    assert tries == [1]
