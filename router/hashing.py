@@ -90,7 +90,7 @@ def cbor_head(major: int, arg: int) -> bytes:
     return bytes((m | 27,)) + arg.to_bytes(8, "big")
 
 
-def cbor_token_blocks(packed: bytes, block_size: int) -> tuple[bytes, list[int]] | None:
+def cbor_token_blocks(packed: bytes | memoryview, block_size: int) -> tuple[bytes, list[int]] | None:
     """The CBOR encodings of the token ids of every full block, as one buffer, and where
     each block's run starts: block ``i``'s ids are ``buf[offsets[i]:offsets[i + 1]]``, the
     concatenated encodings of its ``block_size`` ints (without the array head that a tuple
@@ -256,7 +256,7 @@ class BlockHasher:
         if stop - start < self.BULK_MIN_BLOCKS:
             return None
         width = 8 * self.settings.block_size
-        encoded = cbor_token_blocks(packed[start * width:stop * width],
+        encoded = cbor_token_blocks(memoryview(packed)[start * width:stop * width],
                                     self.settings.block_size)
         return None if encoded is None else (start,) + encoded
 
