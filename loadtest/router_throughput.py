@@ -659,11 +659,12 @@ async def _send_rounds(session, jobs: list[list[tuple[str, bytes]]], wait) -> li
 
 
 def _burst_client_main(jobs: list[list[tuple[str, bytes]]], warm: list[tuple[str, bytes]],
-                       barrier, results) -> None:
+                       warmed, barrier, results) -> None:
     """One client process of a burst: sends ``warm`` (one request per ingress URL it uses,
-    so that its connections are open), then per round waits on ``barrier`` (every client
-    process at once) and sends that round's ``(url, body)`` requests all at once; puts the
-    list of ``(round, _ttft result)`` on ``results``."""
+    so that its connections are open) and waits on ``warmed`` (every client process and the
+    parent, which then reads the ingress processes' CPU), then per round waits on
+    ``barrier`` (every client process at once) and sends that round's ``(url, body)``
+    requests all at once; puts the list of ``(round, _ttft result)`` on ``results``."""
     import aiohttp
 
     async def run():
@@ -672,6 +673,7 @@ def _burst_client_main(jobs: list[list[tuple[str, bytes]]], warm: list[tuple[str
         async with aiohttp.ClientSession(connector=connector,
                                          timeout=aiohttp.ClientTimeout(total=120)) as s:
             await asyncio.gather(*(_ttft(s, u, b) for u, b in warm))
+            await loop.run_in_executor(None, warmed.wait, 120)
             return await _send_rounds(
                 s, jobs, lambda k: loop.run_in_executor(None, barrier.wait, 120))
 
@@ -679,27 +681,36 @@ def _burst_client_main(jobs: list[list[tuple[str, bytes]]], warm: list[tuple[str
 
 
 def _burst_in_processes(stack: Stack, urls: list[str], rounds: list[list[bytes]],
-                        warm_body: bytes, clients: int) -> list:
+                        warm_body: bytes, clients: int, on_warm) -> list:
     """The burst's rounds sent by ``clients`` client processes started together (request
     ``i`` of a round by client ``i mod clients``, to ``urls[i mod len(urls)]``); the
-    ``(round, _ttft result)`` of every request.
+    ``(round, _ttft result)`` of every request. ``on_warm()`` is called once every client
+    has its warm-up answered, before the first round.
 
     Raises:
-        RuntimeError: a client process did not report within 300 s.
+        RuntimeError: a client process did not report within 300 s, or did not warm up
+            within 120 s.
     """
     import queue
+    import threading
 
     ctx = stack.ctx
-    barrier, results = ctx.Barrier(clients), ctx.Queue()
+    warmed, barrier, results = ctx.Barrier(clients + 1), ctx.Barrier(clients), ctx.Queue()
     procs = []
     for c in range(clients):
         jobs = _round_jobs(urls, rounds, clients, c)
         used = sorted({u for job in jobs for u, _ in job})
         procs.append(ctx.Process(target=_burst_client_main, daemon=True, args=(
-            jobs, [(u, warm_body) for u in used], barrier, results)))
+            jobs, [(u, warm_body) for u in used], warmed, barrier, results)))
     for p in procs:
         p.start()
     try:
+        try:
+            warmed.wait(120)
+        except threading.BrokenBarrierError:
+            raise RuntimeError("the burst's client processes did not warm up within "
+                               "120 s") from None
+        on_warm()
         return [r for _ in procs for r in results.get(timeout=300)]
     except queue.Empty:
         raise RuntimeError("a burst client process did not report within 300 s") from None
@@ -733,8 +744,8 @@ def measure_burst(stack: Stack, processes: int, tokens: int = 32768, concurrency
         ``later_rounds_p99_ms`` (the first round also opens connections: the client's to
         the ingress, the ingress's to Redis and to the engines), ``cpu_ms_per_request``
         (the ingress processes' CPU, all threads, from the first round's start to the
-        last answer, per request routed meanwhile: the burst's, and with several client
-        processes their warm-up requests too; ``/proc`` counts CPU in 10 ms ticks per
+        last answer, per request of the rounds: with several client processes, from when
+        every client has its warm-up answered; ``/proc`` counts CPU in 10 ms ticks per
         process, and the engine polls of that time are in it), ``ok`` / ``failed``
         (requests of both parts).
     """
@@ -773,9 +784,10 @@ def measure_burst(stack: Stack, processes: int, tokens: int = 32768, concurrency
     single, burst = asyncio.run(run())
     counted = rounds * concurrency  # the requests the ingress CPU below was spent on
     if clients > 1:
-        cpu0 = [_cpu_s(p.pid) for p in ingress]
-        burst = _burst_in_processes(stack, urls, burst_bodies, single_bodies[0], clients)
-        counted += clients * len(urls)  # each client's warm-up requests, one per ingress
+        # the CPU counted from when every client has warmed up: a warm-up after the first
+        # finds the head held and has its whole prompt encoded, work no round request does
+        burst = _burst_in_processes(stack, urls, burst_bodies, single_bodies[0], clients,
+                                    lambda: cpu0.extend(_cpu_s(p.pid) for p in ingress))
     cpu_ms = sum(_cpu_s(p.pid) - c for p, c in zip(ingress, cpu0)) * 1e3 / counted
     # the first round also opens the pools' connections (client to ingress, ingress to
     # Redis and to the engines): the warm-up opened one per ingress process
