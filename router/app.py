@@ -238,7 +238,12 @@ class Ingress:
         try:
             async with asyncio.timeout(timeout_s):
                 await response
-        except Exception as exc:  # replicas not up yet: update_replicas will tell us
+        except TimeoutError:  # replicas not up yet: update_replicas will tell us
+            response.cancel()
+            logger.info("no engine replica answered within %.0f s of this ingress's start "
+                        "(engines still starting): the replica set is learnt as they come "
+                        "up", timeout_s)
+        except Exception as exc:
             response.cancel()
             logger.info("engine warm-up call failed: %s", type(exc).__name__)
 
@@ -329,9 +334,11 @@ class Ingress:
         tenant's slot (``tenant_max_inflight``), a JSON object (an OpenAI-style 400, not the
         engine's), and the tenant's rate limits, a request and, for tokens, its body's bytes
         (at most a token per byte: a 10 MB text kept the engines busy for 19 s, with every
-        other tenant's requests waiting)."""
+        other tenant's requests waiting); a text longer than any prompt of the model, or
+        more tokens than its context, is refused before an engine sees it
+        (``IngressCore.check_tokens_body``)."""
         async with self._tenant_body(request) as (tenant, raw, _):
-            json_object(raw)
+            self.core.check_tokens_body(path, json_object(raw))
             await self.core.rate_limits.check(tenant, len(raw))
             return await self._any_engine("POST", path, raw)
 

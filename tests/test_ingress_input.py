@@ -218,3 +218,47 @@ async def test_a_body_that_stops_arriving_is_a_408(model_dir):
     assert err.value.response_headers()["connection"] == "close"
     # ten chunks 50 ms apart: 0.5 s in all, never 0.2 s without a byte
     assert await _read_body(request([b"y" * 10] * 10, stall=False), settings) == b"y" * 100
+
+
+def test_token_endpoint_bodies_past_the_models_context_are_refused(model_dir):
+    """Found by a new user's break test: a 10 MB text sent to /tokenize held one engine for
+    10.8 s and delayed a chat request routed to it as long (vLLM bounds an inference
+    prompt's characters before tokenizing it, not these endpoints). The router applies
+    vLLM's bound: the context length times the vocabulary's longest token."""
+    core = IngressCore(Settings(model=str(model_dir), max_model_len=64), engine_handle=None)
+    per = core.renderer.max_chars_per_token
+    assert per == max(len(t) for t in core.renderer.tokenizer.get_vocab()) > 1
+    limit = 64 * per
+    # at the bound, and text spread over messages and tools: the engine's to answer
+    core.check_tokens_body("/tokenize", {"prompt": "a" * limit})
+    core.check_tokens_body("/tokenize", {"messages": [{"role": "user", "content": "a" * 10}],
+                                         "tools": [{"function": {"name": "b" * 10}}]})
+    core.check_tokens_body("/detokenize", {"tokens": list(range(64))})
+    over = [({"prompt": "a" * (limit + 1)}, "prompt"),
+            ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a" * limit}]},
+                           {"role": "user", "content": "b"}]}, "messages"),
+            ({"messages": [{"role": "user", "content": "a" * (limit - 5)}],
+              "tools": [{"function": {"name": "f", "description": "d" * 10}}]}, "messages")]
+    for body, param in over:
+        with pytest.raises(OpenAIError) as err:
+            core.check_tokens_body("/tokenize", body)
+        e = err.value
+        assert (e.status, e.param) == (400, param), body
+        assert f"more than {limit} characters" in e.message and "64 tokens" in e.message
+    with pytest.raises(OpenAIError) as err:
+        core.check_tokens_body("/detokenize", {"tokens": list(range(65))})
+    assert (err.value.status, err.value.param) == (400, "tokens")
+    assert "65 tokens" in err.value.message
+    core.context_tokens = None  # a model whose context length is unknown: no bound
+    core.check_tokens_body("/tokenize", {"prompt": "a" * (limit + 1)})
+    core.check_tokens_body("/detokenize", {"tokens": list(range(65))})
+
+
+def test_text_chars_counts_every_string_at_any_depth():
+    from router.serve.ingress import text_chars
+    deep = "x"
+    for _ in range(100_000):  # deeper than Python's recursion: walked without it
+        deep = [deep, {"k": "yy"}]
+    assert text_chars(deep) == 1 + 2 * 100_000
+    assert text_chars({"a": ["bc", 3, None, True, {"d": "é"}], "key-not-counted": 1.5}) == 3
+    assert text_chars(None) == 0

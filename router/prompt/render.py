@@ -23,6 +23,7 @@ Tokenization parity with a real engine is checked in ``tests/integration/test_en
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from dataclasses import dataclass, field
@@ -201,6 +202,15 @@ class PromptRenderer:
         if not getattr(self.tokenizer, "chat_template", None):
             logger.warning("tokenizer at %s has no chat template; chat requests will be "
                            "routed by load", tokenizer_path)
+
+    @functools.cached_property
+    def max_chars_per_token(self) -> int:
+        """The longest token of the vocabulary, in characters of its vocabulary entry: vLLM's
+        bound of a prompt's characters per token (``max(len(tok) for tok in vocab)``,
+        ``vllm/tokenizers/hf.py``), which its server multiplies by the input-token limit
+        before it tokenizes a prompt (``_text_len_check``, ``vllm/renderers/params.py``).
+        At least 1. Computed once (a 152k-entry vocabulary: about 30 ms)."""
+        return max((len(tok) for tok in self.tokenizer.get_vocab()), default=1) or 1
 
     def _find_special_affixes(self) -> tuple[list[int], list[int]] | None:
         """The ids the post-processor puts before and after a text when a completion asks

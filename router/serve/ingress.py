@@ -98,6 +98,21 @@ def json_object(raw: bytes) -> dict:
     return body
 
 
+def text_chars(value) -> int:
+    """The characters of every string inside a JSON value (lists and objects walked
+    without recursion, their keys left out); 0 for a value without strings."""
+    total, stack = 0, [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            total += len(v)
+        elif isinstance(v, list):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+    return total
+
+
 def decode_json_body(raw: bytes):
     """The JSON value of a request body, exactly as ``json.loads(raw)`` gives it, in about
     a third of its time for long bodies: msgspec's strict RFC 8259 decoder first (42.7
@@ -268,6 +283,40 @@ class IngressCore:
                 metrics.set_gauge("inflight", n, tags={"replica": replica})
                 if current is not None and replica not in current and n == 0:
                     del self.inflight[replica]
+
+    def check_tokens_body(self, path: str, body: dict) -> None:
+        """Refuse, before an engine spends on it, a ``/tokenize`` body with more text than
+        any prompt of the model can hold, or a ``/detokenize`` body with more tokens than
+        its context. vLLM bounds an inference request's prompt so before tokenizing it (at
+        most the context length times the vocabulary's longest token in characters:
+        ``_text_len_check``, ``vllm/renderers/params.py``; the message below is its
+        wording) but not these two endpoints: a 10 MB text held one engine for 10.8 s, and
+        a chat request routed to it meanwhile waited as long. The text counted is every
+        string of ``prompt``, ``messages`` and ``tools``. No bound while the context length
+        is unknown (``context_tokens``).
+
+        Raises:
+            OpenAIError: 400 (``BadRequestError``; ``param`` ``tokens``, ``messages`` or
+                ``prompt``).
+        """
+        ctx = self.context_tokens
+        if ctx is None:
+            return
+        if path == "/detokenize":
+            tokens = body.get("tokens")
+            if isinstance(tokens, list) and len(tokens) > ctx:
+                raise bad_request(f"This model's maximum context length is {ctx} tokens. "
+                                  f"However, the request has {len(tokens)} tokens to "
+                                  f"detokenize.", "tokens")
+            return
+        limit = ctx * self.renderer.max_chars_per_token
+        chars = sum(text_chars(body.get(k)) for k in ("prompt", "messages", "tools"))
+        if chars > limit:
+            raise bad_request(
+                f"This model's maximum context length is {ctx} tokens. However, your prompt "
+                f"contains {chars} characters (more than {limit} characters, which is the "
+                f"upper bound for {ctx} input tokens). Please reduce the length of the input "
+                f"prompt.", "messages" if "messages" in body else "prompt")
 
     # --- helpers -----------------------------------------------------------------------
     def _replica_count(self) -> int | None:

@@ -276,6 +276,18 @@ def test_tokenize_is_answered_by_an_engine(service, tokenizer, path, body):
         assert d.status_code == 200 and d.json()["prompt"] == "hello world"
 
 
+def test_a_tokenize_text_longer_than_any_prompt_is_refused_before_an_engine(service):
+    """Found by a new user: a 10 MB text sent to /tokenize held an engine for 10.8 s (vLLM
+    bounds an inference prompt's characters, not this endpoint's); the router refuses it
+    with vLLM's own bound and wording."""
+    r = service.client.post("/tokenize", json={"model": "tiny-qwen2", "prompt": "a" * 2_000_000})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "prompt" and "maximum context length is 8192 tokens" in err["message"]
+    d = service.client.post("/detokenize", json={"model": "tiny-qwen2", "tokens": [1] * 9000})
+    assert d.status_code == 400 and d.json()["error"]["param"] == "tokens", d.text
+
+
 def test_a_policy_header_is_refused_where_overrides_are_off(sim_service):
     """A comparison must be what it says: a request asking for a policy the service does not
     apply gets a 400, never another policy's answer under its name."""
