@@ -234,6 +234,9 @@ def test_token_endpoint_bodies_past_the_models_context_are_refused(model_dir):
     core.check_tokens_body("/tokenize", {"messages": [{"role": "user", "content": "a" * 10}],
                                          "tools": [{"function": {"name": "b" * 10}}]})
     core.check_tokens_body("/detokenize", {"tokens": list(range(64))})
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * limit}}
+    core.check_tokens_body("/tokenize", {"messages": [  # an image's data URL is not text
+        {"role": "user", "content": [image, {"type": "text", "text": "a" * (limit - 10)}]}]})
     over = [({"prompt": "a" * (limit + 1)}, "prompt"),
             ({"messages": [{"role": "user", "content": [{"type": "text", "text": "a" * limit}]},
                            {"role": "user", "content": "b"}]}, "messages"),
@@ -262,3 +265,18 @@ def test_text_chars_counts_every_string_at_any_depth():
     assert text_chars(deep) == 1 + 2 * 100_000
     assert text_chars({"a": ["bc", 3, None, True, {"d": "é"}], "key-not-counted": 1.5}) == 3
     assert text_chars(None) == 0
+
+
+def test_message_chars_counts_what_the_prompt_holds_as_text():
+    from router.serve.ingress import message_chars
+    messages = [{"role": "user", "content": [
+                    {"type": "text", "text": "abc"},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,QUJD"}},
+                    "not a part", {"type": "text", "text": 5}]},
+                {"role": "assistant", "content": "de", "tool_calls": [
+                    {"id": "c", "type": "function",
+                     "function": {"name": "f", "arguments": "{}"}}]},
+                "not a message"]
+    assert message_chars(messages) == len("user") + 3 + len("assistant") + 2 + len(
+        "c" + "function" + "f" + "{}")
+    assert message_chars("not a list") == 0 and message_chars(None) == 0

@@ -113,6 +113,27 @@ def text_chars(value) -> int:
     return total
 
 
+def message_chars(messages) -> int:
+    """The characters of a chat request's messages that its prompt holds as text: a
+    string ``content``, the ``text`` of each part of a list ``content`` (an image's, an
+    audio's or a video's part becomes placeholder tokens, not its URL's characters), and
+    every string of the messages' other fields (``name``, ``tool_calls``...); 0 for a value
+    that is not a list."""
+    if not isinstance(messages, list):
+        return 0
+    total = 0
+    for m in messages:
+        if not isinstance(m, dict):
+            continue
+        for key, v in m.items():
+            if key == "content" and isinstance(v, list):
+                total += sum(len(p["text"]) for p in v
+                             if isinstance(p, dict) and isinstance(p.get("text"), str))
+            else:
+                total += text_chars(v)
+    return total
+
+
 def decode_json_body(raw: bytes):
     """The JSON value of a request body, exactly as ``json.loads(raw)`` gives it, in about
     a third of its time for long bodies: msgspec's strict RFC 8259 decoder first (42.7
@@ -292,8 +313,9 @@ class IngressCore:
         ``_text_len_check``, ``vllm/renderers/params.py``; the message below is its
         wording) but not these two endpoints: a 10 MB text held one engine for 10.8 s, and
         a chat request routed to it meanwhile waited as long. The text counted is every
-        string of ``prompt``, ``messages`` and ``tools``. No bound while the context length
-        is unknown (``context_tokens``).
+        string of ``prompt`` and ``tools`` and the text of ``messages``
+        (``message_chars``: an image's data URL is not text). No bound while the context
+        length is unknown (``context_tokens``).
 
         Raises:
             OpenAIError: 400 (``BadRequestError``; ``param`` ``tokens``, ``messages`` or
@@ -310,7 +332,8 @@ class IngressCore:
                                   f"detokenize.", "tokens")
             return
         limit = ctx * self.renderer.max_chars_per_token
-        chars = sum(text_chars(body.get(k)) for k in ("prompt", "messages", "tools"))
+        chars = text_chars(body.get("prompt")) + text_chars(body.get("tools")) + \
+            message_chars(body.get("messages"))
         if chars > limit:
             raise bad_request(
                 f"This model's maximum context length is {ctx} tokens. However, your prompt "
