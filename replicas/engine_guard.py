@@ -27,6 +27,13 @@ sockets between its API server and engine core, ``vllm_dist_*`` files, multiproc
 it; it is made in ``--tmp-root`` (the replica passes the Ray session's folder), so what a
 guard killed with SIGKILL leaves stays inside that.
 
+The shared memory that the engine's processes map from ``/dev/shm`` (vLLM's, through
+Python's ``multiprocessing.shared_memory``: ``psm_*`` files of hundreds of MiB) is deleted too
+once the group is gone: a process stopped by SIGKILL never unlinks what it made, and a new
+user's check found 400 MiB left there after a full stop. The guard reads the group's
+mappings (``/proc/<pid>/maps``) while the engine runs, every ``SHM_SCAN_S`` seconds and once
+more when it exits, so only the files the engine's own processes held are deleted.
+
 Once the engine's group is gone, and if the replica is gone too, the guard deletes the
 ``--remove`` paths (the engine's KV-event socket files, when it has any; a live replica
 deletes them itself at its shutdown). It exits with the engine's exit code (128 + the signal for a signal).
@@ -81,6 +88,8 @@ def run(cmd: list[str], grace_s: float, remove: list[str] = (),
 
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, on_signal)
+    shm: set[str] = set()  # the /dev/shm files the group has mapped (see the docstring)
+    next_scan = time.monotonic() + 1.0
     while True:
         try:
             code = child.wait(timeout=0.5)
@@ -88,6 +97,10 @@ def run(cmd: list[str], grace_s: float, remove: list[str] = (),
         except subprocess.TimeoutExpired:
             if stopping["at"] is not None and time.monotonic() - stopping["at"] > grace_s:
                 child.kill()
+            if time.monotonic() >= next_scan:
+                shm |= _shared_memory(_group_members() - {os.getpid()})
+                next_scan = time.monotonic() + SHM_SCAN_S
+    shm |= _shared_memory(_group_members() - {os.getpid()})  # what the core still maps
     # the engine is gone: nothing of its group may stay (its engine core, its workers)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _kill_group(signal.SIGTERM)
@@ -101,6 +114,11 @@ def run(cmd: list[str], grace_s: float, remove: list[str] = (),
             except ProcessLookupError:
                 pass
     shutil.rmtree(tmp, ignore_errors=True)
+    for path in shm:
+        try:
+            os.unlink(path)
+        except OSError:  # unlinked by its owner already
+            pass
     if os.getppid() != parent:  # the replica is gone: nobody else will delete them
         for path in remove:
             try:
@@ -125,6 +143,25 @@ def _group_members() -> set[int]:
         # after the command's name: state, ppid, pgrp; a zombie holds nothing
         if int(fields[2]) == pgid and fields[0] != "Z":
             out.add(int(d))
+    return out
+
+
+SHM_SCAN_S = 5.0  # seconds between two reads of the engine group's shared-memory mappings
+
+
+def _shared_memory(pids: set[int]) -> set[str]:
+    """The ``/dev/shm`` files that processes ``pids`` map and that still exist (a mapping
+    of an unlinked file reads ``(deleted)``); a process that is gone maps nothing."""
+    out = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    at = line.find(" /dev/shm/")
+                    if at >= 0 and not line.endswith(" (deleted)\n"):
+                        out.add(line[at + 1:].rstrip("\n"))
+        except OSError:
+            continue
     return out
 
 

@@ -131,6 +131,56 @@ def test_the_engines_temp_files_go_with_it(tmp_path):
         assert not os.path.exists(tmp)
 
 
+# an "engine core" that maps a shared-memory segment and keeps it from Python's resource
+# tracker, as vLLM's processes do (its broadcast queues, its multimodal cache)
+SHM_CORE = textwrap.dedent("""
+    from multiprocessing import resource_tracker, shared_memory
+    import time
+    m = shared_memory.SharedMemory(create=True, size=1 << 20)
+    resource_tracker.unregister(m._name, "shared_memory")
+    print(m.name, flush=True)
+    time.sleep(120)
+""")
+# an "API server" that starts that core in its group and prints the segment's name
+SHM_ENGINE = textwrap.dedent("""
+    import subprocess, sys, time
+    core = subprocess.Popen([sys.executable, "-c", sys.argv[1]], stdout=subprocess.PIPE,
+                            text=True)
+    print(core.stdout.readline().strip(), flush=True)
+    time.sleep(120)
+""")
+
+
+def test_the_engines_shared_memory_goes_with_it():
+    """Found by an operator's trial: 400 MiB of vLLM's ``/dev/shm/psm_*`` files stayed
+    after a full stop (a process stopped by SIGKILL never unlinks what it made). What the
+    engine's processes map is deleted once they are gone, however the engine stopped; a
+    segment of another process's stays."""
+    from multiprocessing import shared_memory
+    other = shared_memory.SharedMemory(create=True, size=4096)  # not the engine's
+    try:
+        for stop in ("engine killed", "guard stopped"):
+            guard = subprocess.Popen([sys.executable, "-m", "replicas.engine_guard",
+                                      "--grace-s", "3", "--", sys.executable, "-c",
+                                      SHM_ENGINE, SHM_CORE], cwd=ROOT, stdout=subprocess.PIPE,
+                                     text=True, start_new_session=True)
+            path = "/dev/shm/" + guard.stdout.readline().strip().lstrip("/")
+            assert os.path.exists(path), path
+            if stop == "engine killed":  # the API server, the guard's child, by SIGKILL
+                api = int(subprocess.check_output(["pgrep", "-P", str(guard.pid)]).split()[0])
+                os.kill(api, signal.SIGKILL)
+            else:
+                time.sleep(1.5)  # a scan while it runs
+                guard.send_signal(signal.SIGTERM)
+            guard.wait(15)
+            wait_until(lambda: _gone(guard.pid), 10, 0.1, "the engine's group to be gone")
+            assert not os.path.exists(path), stop
+        assert os.path.exists("/dev/shm/" + other.name.lstrip("/"))
+    finally:
+        other.close()
+        other.unlink()
+
+
 # an engine whose "engine core" fails: its root cause first, then the API server's long
 # traceback that fills the log's tail (vLLM's order)
 FAILING_ENGINE = textwrap.dedent("""
