@@ -27,8 +27,8 @@ sockets between its API server and engine core, ``vllm_dist_*`` files, multiproc
 it; it is made in ``--tmp-root`` (the replica passes the Ray session's folder), so what a
 guard killed with SIGKILL leaves stays inside that.
 
-The shared memory that the engine's processes map from ``/dev/shm`` (vLLM's, through
-Python's ``multiprocessing.shared_memory``: ``psm_*`` files of hundreds of MiB) is deleted too
+The shared memory that the engine's processes map from ``/dev/shm`` through Python's
+``multiprocessing.shared_memory`` (vLLM's: ``psm_*`` files of hundreds of MiB) is deleted too
 once the group is gone: a process stopped by SIGKILL never unlinks what it made, and a new
 user's check found 400 MiB left there after a full stop. The guard reads the group's
 mappings (``/proc/<pid>/maps``) while the engine runs, every ``SHM_SCAN_S`` seconds and once
@@ -150,14 +150,17 @@ SHM_SCAN_S = 5.0  # seconds between two reads of the engine group's shared-memor
 
 
 def _shared_memory(pids: set[int]) -> set[str]:
-    """The ``/dev/shm`` files that processes ``pids`` map and that still exist (a mapping
-    of an unlinked file reads ``(deleted)``); a process that is gone maps nothing."""
+    """The segments of Python's ``multiprocessing.shared_memory`` (``/dev/shm/psm_*``, the
+    names it gives) that processes ``pids`` map and that still exist (a mapping of an
+    unlinked file reads ``(deleted)``); a process that is gone maps nothing. Other files of
+    ``/dev/shm`` (Ray's object store, a peer's segment the engine attached to by name under
+    another prefix) are never counted."""
     out = set()
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps") as f:
                 for line in f:
-                    at = line.find(" /dev/shm/")
+                    at = line.find(" /dev/shm/psm_")
                     if at >= 0 and not line.endswith(" (deleted)\n"):
                         out.add(line[at + 1:].rstrip("\n"))
         except OSError:
