@@ -29,8 +29,8 @@ guard killed with SIGKILL leaves stays inside that.
 
 The shared memory that the engine's processes map from ``/dev/shm`` through Python's
 ``multiprocessing.shared_memory`` (vLLM's: ``psm_*`` files of hundreds of MiB) is deleted too
-once the group is gone: a process stopped by SIGKILL never unlinks what it made, and a new
-user's check found 400 MiB left there after a full stop. The guard reads the group's
+once the group is gone: a process stopped by SIGKILL never unlinks what it made, and an
+operator's trial found 400 MiB left there after a full stop. The guard reads the group's
 mappings (``/proc/<pid>/maps``) while the engine runs, every ``SHM_SCAN_S`` seconds and once
 more when it exits, so only the files the engine's own processes held are deleted.
 
