@@ -31,8 +31,9 @@ The shared memory that the engine's processes map from ``/dev/shm`` through Pyth
 ``multiprocessing.shared_memory`` (vLLM's: ``psm_*`` files of hundreds of MiB) is deleted too
 once the group is gone: a process stopped by SIGKILL never unlinks what it made, and an
 operator's trial found 400 MiB left there after a full stop. The guard reads the group's
-mappings (``/proc/<pid>/maps``) while the engine runs, every ``SHM_SCAN_S`` seconds and once
-more when it exits, so only the files the engine's own processes held are deleted.
+mappings (``/proc/<pid>/maps``) while the engine runs (1 s after its start, then at
+doubling intervals up to ``SHM_SCAN_MAX_S``) and once more when it exits, so only the files
+the engine's own processes held are deleted.
 
 Once the engine's group is gone, and if the replica is gone too, the guard deletes the
 ``--remove`` paths (the engine's KV-event socket files, when it has any; a live replica
@@ -89,7 +90,8 @@ def run(cmd: list[str], grace_s: float, remove: list[str] = (),
     for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(s, on_signal)
     shm: set[str] = set()  # the /dev/shm files the group has mapped (see the docstring)
-    next_scan = time.monotonic() + 1.0
+    scan_s = 1.0
+    next_scan = time.monotonic() + scan_s
     while True:
         try:
             code = child.wait(timeout=0.5)
@@ -99,7 +101,8 @@ def run(cmd: list[str], grace_s: float, remove: list[str] = (),
                 child.kill()
             if time.monotonic() >= next_scan:
                 shm |= _shared_memory(_group_members() - {os.getpid()})
-                next_scan = time.monotonic() + SHM_SCAN_S
+                scan_s = min(2 * scan_s, SHM_SCAN_MAX_S)
+                next_scan = time.monotonic() + scan_s
     shm |= _shared_memory(_group_members() - {os.getpid()})  # what the core still maps
     # the engine is gone: nothing of its group may stay (its engine core, its workers)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -146,7 +149,10 @@ def _group_members() -> set[int]:
     return out
 
 
-SHM_SCAN_S = 5.0  # seconds between two reads of the engine group's shared-memory mappings
+# seconds between two reads of the engine group's shared-memory mappings: 1 s after the
+# start, then twice as long each time up to this (vLLM makes its segments as it starts; a
+# read of /proc/<pid>/maps briefly takes the process's memory-map lock)
+SHM_SCAN_MAX_S = 60.0
 
 
 def _shared_memory(pids: set[int]) -> set[str]:
