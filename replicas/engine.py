@@ -298,14 +298,19 @@ class EngineProcess:
         """SIGKILL what remains of the engine's process group once its guard exited (the
         guard cleans up after itself unless it was killed with SIGKILL: then the engine's
         processes are still in the group, which keeps the dead leader's pid as its id for
-        as long as any of them lives)."""
+        as long as any of them lives), and delete the shared-memory segments they map: the
+        guard's clean-up (``replicas.engine_guard``), which its SIGKILL skipped."""
         import signal
+
+        from replicas.engine_guard import group_shared_memory, unlink_all
         if self.proc is None or self.proc.returncode is None:
             return
+        shm = group_shared_memory(self.proc.pid)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+        unlink_all(shm)  # a name goes at once; the memory once its last mapping does
 
     def files(self) -> list[Path]:
         """The engine's KV-event socket files (none with abstract sockets, the default; its
@@ -336,11 +341,14 @@ class EngineProcess:
             return
         try:
             await asyncio.wait_for(self.proc.wait(), grace_s)
-        except asyncio.TimeoutError:
+        except asyncio.TimeoutError:  # the guard too: its clean-up of shared memory is ours
+            from replicas.engine_guard import group_shared_memory, unlink_all
+            shm = group_shared_memory(self.proc.pid)
             try:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+            unlink_all(shm)
             await self.proc.wait()
 
     def start_errors(self, max_lines: int = 30) -> str:

@@ -117,11 +117,7 @@ def run(cmd: list[str], grace_s: float, remove: list[str] = (),
             except ProcessLookupError:
                 pass
     shutil.rmtree(tmp, ignore_errors=True)
-    for path in shm:
-        try:
-            os.unlink(path)
-        except OSError:  # unlinked by its owner already
-            pass
+    unlink_all(shm)
     if os.getppid() != parent:  # the replica is gone: nobody else will delete them
         for path in remove:
             try:
@@ -131,9 +127,9 @@ def run(cmd: list[str], grace_s: float, remove: list[str] = (),
     return code if code >= 0 else 128 - code
 
 
-def _group_members() -> set[int]:
-    """Process ids in this process group (from ``/proc``)."""
-    pgid = os.getpgrp()
+def _group_members(pgid: int | None = None) -> set[int]:
+    """Process ids in process group ``pgid`` (default: this process's), from ``/proc``."""
+    pgid = os.getpgrp() if pgid is None else pgid
     out = set()
     for d in os.listdir("/proc"):
         if not d.isdigit():
@@ -172,6 +168,22 @@ def _shared_memory(pids: set[int]) -> set[str]:
         except OSError:
             continue
     return out
+
+
+def group_shared_memory(pgid: int) -> set[str]:
+    """The ``psm_*`` segments that the processes of group ``pgid`` map (``_shared_memory``):
+    what the replica deletes when it kills an engine's group whose guard is already gone
+    (``replicas.engine.EngineProcess.reap``)."""
+    return _shared_memory(_group_members(pgid))
+
+
+def unlink_all(paths) -> None:
+    """Delete ``paths``, those already gone passed over."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:  # unlinked by its owner already
+            pass
 
 
 def _group_has_others() -> bool:

@@ -221,3 +221,25 @@ async def test_an_engines_start_failure_names_its_root_cause(tmp_path):
     assert "EngineCore failed to start." in message
     assert message.index("EngineCore failed") < message.index("--- log tail:")
     assert "an earlier start's failure" not in message
+
+
+def test_the_replica_deletes_the_shared_memory_of_an_engine_whose_guard_was_killed():
+    """Two ``/dev/shm/psm_*`` segments stayed after a run of the test suite: where the
+    guard is killed with SIGKILL (a Ray worker's exit does so), its clean-up never runs,
+    and the replica kills what remains of the group (``EngineProcess.reap``). It deletes
+    the segments those processes map."""
+    import types
+
+    from replicas.engine import EngineProcess
+    guard = subprocess.Popen([sys.executable, "-m", "replicas.engine_guard", "--grace-s", "3",
+                              "--", sys.executable, "-c", SHM_ENGINE, SHM_CORE], cwd=ROOT,
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    path = "/dev/shm/" + guard.stdout.readline().strip().lstrip("/")
+    guard.kill()  # the guard's API server dies with it; its "engine core" stays, mapping
+    guard.wait(10)
+    assert os.path.exists(path) and not _gone(guard.pid)
+    engine = EngineProcess.__new__(EngineProcess)  # reap reads its process's pid and code
+    engine.proc = types.SimpleNamespace(pid=guard.pid, returncode=-signal.SIGKILL)
+    engine.reap()
+    assert not os.path.exists(path)
+    wait_until(lambda: _gone(guard.pid), 10, 0.1, "the engine's group to be gone")
