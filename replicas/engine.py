@@ -300,11 +300,17 @@ class EngineProcess:
         processes are still in the group, which keeps the dead leader's pid as its id for
         as long as any of them lives), and delete the shared-memory segments they map: the
         guard's clean-up (``replicas.engine_guard``), which its SIGKILL skipped."""
+        if self.proc is None or self.proc.returncode is None:
+            return
+        self._kill_group()
+
+    def _kill_group(self) -> None:
+        """SIGKILL the engine's process group, and delete the shared-memory segments its
+        processes map (``replicas.engine_guard``'s clean-up, which a guard killed so never
+        runs)."""
         import signal
 
         from replicas.engine_guard import group_shared_memory, unlink_all
-        if self.proc is None or self.proc.returncode is None:
-            return
         shm = group_shared_memory(self.proc.pid)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -321,11 +327,8 @@ class EngineProcess:
     def remove_files(self) -> None:
         """Delete the engine's socket files (``files``) when the replica shuts down; its
         guard does the same when it outlives the replica."""
-        for p in self.files():
-            try:
-                p.unlink()
-            except OSError:
-                pass
+        from replicas.engine_guard import unlink_all
+        unlink_all(self.files())
 
     async def stop(self, grace_s: float = 10.0) -> None:
         """Terminate the engine's process group (its guard, API server and engine core)."""
@@ -342,13 +345,7 @@ class EngineProcess:
         try:
             await asyncio.wait_for(self.proc.wait(), grace_s)
         except asyncio.TimeoutError:  # the guard too: its clean-up of shared memory is ours
-            from replicas.engine_guard import group_shared_memory, unlink_all
-            shm = group_shared_memory(self.proc.pid)
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            unlink_all(shm)
+            self._kill_group()
             await self.proc.wait()
 
     def start_errors(self, max_lines: int = 30) -> str:

@@ -119,11 +119,7 @@ def run(cmd: list[str], grace_s: float, remove: list[str] = (),
     shutil.rmtree(tmp, ignore_errors=True)
     unlink_all(shm)
     if os.getppid() != parent:  # the replica is gone: nobody else will delete them
-        for path in remove:
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        unlink_all(remove)
     return code if code >= 0 else 128 - code
 
 
