@@ -18,8 +18,11 @@ Each hash of the index (``<ns>:x:<replica>``, ``<ns>:p:<replica>``, ``<ns>:roots
 with one more field, ``TABLE_FIELD``, that keeps Redis's encoding a hash table
 (``lua/sweep.lua`` ``as_table``): its entries are its length less one.
 
-* ``<ns>:x:<replica>``: hash ``block hash -> physical copies`` the engine holds (exact
-  entries, from KV events; ``lua/apply_events.lua``);
+* ``<ns>:x:<replica>``: hash ``block hash -> "<physical copies>,<held children>,<parent>"``
+  of the blocks the engine holds (exact entries, from KV events; ``lua/apply_events.lua``);
+  its ``TABLE_FIELD``'s value begins with the count of held blocks whose parent is not held
+  (no digits at 0; ``lua/exact.lua``: while it is 0 the route script finds a prompt's held
+  run by a search of a few reads);
 * ``<ns>:p:<replica>``: hash ``block hash -> expiry (ms)`` of predicted entries; the hash
   expires with its latest entry and expired fields are swept a few at a time on each write
   (Redis 7.0 has no per-field TTL; ``lua/record_predicted.lua``);
@@ -72,7 +75,7 @@ _LUA_DIR = Path(__file__).with_name("lua")
 # The version of the layout above: raise it with every change of a key's name, type or
 # value format that a router of the previous version would misread. Routers of two layouts
 # never use one namespace's keys at the same time (router.index.layout).
-LAYOUT_VERSION = 2  # 2: the index's hashes carry TABLE_FIELD
+LAYOUT_VERSION = 3  # 2: the index's hashes carry TABLE_FIELD; 3: exact entries keep parents
 
 
 def check_replica_id(replica: str) -> str:
@@ -312,8 +315,9 @@ class LoadField(str, Enum):
 class EventOp(str, Enum):
     """The op letters of ``lua/apply_events.lua``."""
 
-    STORED = "s"            # BlockStored with a parent: one more copy of each hash
+    STORED = "s"            # BlockStored with a parent (its hash first): one more copy of each hash
     STORED_FROM_ROOT = "S"  # BlockStored from block 0: a copy of each hash not yet held
+    STORED_UNKNOWN_PARENT = "u"  # blocks stored after parents not known: one more copy of each
     REMOVED = "r"           # BlockRemoved: one copy fewer
     CLEARED = "c"           # AllBlocksCleared: drop the replica's exact and predicted entries
     PURGE = "x"             # the replica left: drop its entries
@@ -415,7 +419,9 @@ TABLE_FIELD = b"~"
 
 def entries_in(hash_length: int) -> int:
     """The block entries of an index hash of ``hash_length`` fields (``HLEN``): all but
-    ``TABLE_FIELD`` (0 for a hash that does not exist)."""
+    ``TABLE_FIELD`` (0 for a hash that does not exist). While a replica's exact hash
+    counts orphans (``lua/exact.lua``, rare: an eviction that left a hole), the
+    placeholders of its evicted parents are counted too."""
     return max(int(hash_length) - 1, 0)
 
 

@@ -13,7 +13,7 @@ from router.index.memory import MemoryPrefixIndex
 from router.index.redis import RedisConnections, RedisPrefixIndex
 from router.kv_events.wire import KVEvent
 from router.load.redis import RedisLoadTracker
-from router.redis_keys import entries_in, pack_hashes
+from router.redis_keys import TABLE_FIELD, entries_in, pack_hashes
 from router.routing.atomic import AtomicRoute
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -528,6 +528,158 @@ async def test_a_replica_id_the_holders_list_cannot_hold_is_refused(index):
             await index.apply_events(bad, [stored(1, 2, parent=None)])
         with pytest.raises(ValueError, match="zero byte"):
             await index.lookup([1, 2], ["ok", bad])
+
+
+async def _orphan_count(index: RedisPrefixIndex, replica: str) -> int:
+    """The orphan count of ``replica``'s exact hash (lua/exact.lua: the digits that open
+    ``TABLE_FIELD``'s value)."""
+    v = await index.conn.client().hget(index.keys_of(replica).exact(replica), TABLE_FIELD)
+    digits = (v or b"").split(b"~")[0]
+    return int(digits) if digits else 0
+
+
+@pytest.mark.parametrize("backend", ["redis", "fakeredis"])
+@pytest.mark.parametrize("seed", range(4))
+async def test_the_held_run_search_matches_the_walk_under_engine_like_events(backend, seed):
+    """lua/route.lua finds a candidate's exactly held run by a search (a few reads) while its
+    orphan count is 0, and walks it block by block otherwise (lua/exact.lua). Under random
+    sequences of what a vLLM engine publishes (a prompt's blocks stored after its held
+    prefix, more than one copy of a block, evictions tail first), and of what it should not
+    but the index must survive (a block evicted before its children, blocks stored after a
+    parent not held, or after unknown parents as the feed's rebuild writes them, a clear),
+    every lookup equals the memory index's walk; the count is positive whenever some held
+    block's parent is not held (else the search would skip a hole), and it is 0 again once
+    the sequence has been engine-like long enough (else the search would rarely run)."""
+    import random
+
+    from router.kv_events.wire import UNKNOWN_PARENT
+
+    rng = random.Random(seed)
+    memory = MemoryPrefixIndex()
+    conn = RedisConnections(REDIS_URL, 2.0)
+    if backend == "fakeredis":
+        import fakeredis
+        fake = fakeredis.FakeAsyncRedis()
+        conn.client = lambda *timeout: fake
+    redis_index = RedisPrefixIndex(REDIS_URL, namespace=f"t-{uuid.uuid4().hex[:8]}",
+                                   connections=conn)
+    prompts: list[list[int]] = []
+    for i in range(12):
+        if prompts and rng.random() < 0.6:  # a turn that continues an earlier prompt
+            base = rng.choice(prompts)
+            prompts.append(base[:rng.randrange(1, len(base) + 1)]
+                           + [rng.getrandbits(63) for _ in range(rng.randrange(1, 40))])
+        else:
+            prompts.append([rng.getrandbits(63) for _ in range(rng.randrange(1, 60))])
+    parent = {p[i]: (p[i - 1] if i else None) for p in prompts for i in range(len(p))}
+    copies: dict[int, int] = {}  # the engine's blocks: hash -> physical copies
+    seen = {"orphaned": 0, "searched": 0}
+
+    async def apply(*events):
+        for ev in events:
+            for h in ev.block_hashes:
+                if ev.kind == "stored" and not (ev.parent_block_hash is None and copies.get(h)):
+                    copies[h] = copies.get(h, 0) + 1
+                elif ev.kind == "removed" and copies.get(h):
+                    copies[h] -= 1
+                    if not copies[h]:
+                        del copies[h]
+            if ev.kind == "cleared":
+                copies.clear()
+        for index in (memory, redis_index):
+            await index.apply_events("A", list(events))
+
+    def engine_like_step():
+        prompt = rng.choice(prompts)
+        if rng.random() < 0.55 or not copies:  # computes what it misses of prompt[:k]
+            k = rng.randrange(1, len(prompt) + 1)
+            start = 0
+            while start < k and copies.get(prompt[start]):
+                start += 1
+            if rng.random() < 0.1 and start:  # recomputes a held block: one more copy
+                start -= 1
+            return [KVEvent("stored", prompt[start:k], prompt[start - 1] if start else None)]
+        # evicts a held block none of whose children it holds, then maybe its parent...
+        # (children before parents, as vLLM frees a request's blocks tail first)
+        parents_held = {parent[c] for c in copies}
+        h = rng.choice([h for h in copies if h not in parents_held])
+        run = [h]
+        while rng.random() < 0.7 and parent[run[-1]] is not None:
+            up = parent[run[-1]]
+            if copies.get(up) != 1 or any(parent[c] == up for c in copies if c not in run):
+                break
+            run.append(up)
+        return [KVEvent("removed", run)]
+
+    try:
+        for step in range(300):
+            engine_like = not (100 <= step < 200 and rng.random() < 0.15)
+            if engine_like:
+                events = engine_like_step()
+            else:
+                prompt = rng.choice(prompts)
+                op = rng.random()
+                if op < 0.4 and any(copies.get(h) for h in prompt):  # a hole
+                    events = [KVEvent("removed", [rng.choice([h for h in prompt if copies.get(h)])])]
+                elif op < 0.7:  # stored after a block it does not hold
+                    a = rng.randrange(1, len(prompt)) if len(prompt) > 1 else 0
+                    b = rng.randrange(a, len(prompt)) + 1
+                    events = [KVEvent("stored", prompt[a:b], prompt[a - 1] if a else None)]
+                elif op < 0.95:  # the feed's rebuild: parents unknown
+                    events = [KVEvent("stored", rng.sample(prompt, min(len(prompt), 5)),
+                                      UNKNOWN_PARENT)]
+                else:
+                    events = [KVEvent("cleared")]
+            await apply(*events)
+            orphans = await _orphan_count(redis_index, "A")
+            true_orphans = sum(1 for h in copies if parent[h] is not None
+                               and not copies.get(parent[h]))
+            assert orphans >= true_orphans and (orphans > 0) >= (true_orphans > 0), step
+            seen["orphaned"] += orphans > 0
+            seen["searched"] += orphans == 0
+            for prompt in rng.sample(prompts, 4):
+                want = await memory.lookup(prompt, ["A", "B"])
+                assert await redis_index.lookup(prompt, ["A", "B"]) == want, (step, events)
+        # once every block is evicted no orphan is counted; both modes ran
+        await apply(KVEvent("removed", [h for h, n in copies.items() for _ in range(n)]))
+        assert not copies and await _orphan_count(redis_index, "A") == 0
+        assert seen["orphaned"] >= 20 and seen["searched"] >= 20, seen
+    finally:
+        await redis_index.flush()
+        await redis_index.close()
+
+
+async def test_a_held_run_is_found_in_a_few_reads():
+    """A replica that holds a 512-block prompt's first 300 blocks, from its engine's events:
+    the lookup reads the root holders, the first block, then searches (3 reads of 8
+    blocks), then reads the predicted entry past the run: 5 HMGETs, where the walk (1, 16,
+    then 64 blocks per read) takes 8, and 6 to a hole at block 150. After such a hole (a
+    block evicted before its children) the same lookup walks, and still matches."""
+    index = RedisPrefixIndex(REDIS_URL, namespace=f"t-{uuid.uuid4().hex[:8]}")
+    client = index.conn.client()
+    prompt = list(range(1000, 1512))
+
+    async def hmgets() -> int:
+        return (await client.info("commandstats")).get("cmdstat_hmget", {}).get("calls", 0)
+
+    try:
+        await index.apply_events("A", [stored(*prompt[:100], parent=None),
+                                       stored(*prompt[100:300], parent=prompt[99])])
+        before = await hmgets()
+        assert await index.lookup(prompt, ["A", "B"]) == {"A": 300, "B": 0}
+        searched = await hmgets() - before
+        assert searched <= 5, searched
+        await index.apply_events("A", [removed(prompt[150])])
+        before = await hmgets()
+        assert await index.lookup(prompt, ["A", "B"]) == {"A": 150, "B": 0}
+        assert await hmgets() - before > searched
+        assert await _orphan_count(index, "A") == 1
+        await index.apply_events("A", [removed(*reversed(prompt[151:300]))])
+        assert await _orphan_count(index, "A") == 0
+        assert await index.lookup(prompt, ["A", "B"]) == {"A": 150, "B": 0}
+    finally:
+        await index.flush()
+        await index.close()
 
 
 async def test_connections_opened_at_start_serve_a_burst_without_opening_more():

@@ -316,6 +316,52 @@ async def test_a_resync_does_not_write_the_pending_events_twice(tmp_path):
     assert (await index.lookup([5, 6], ["r1"]))["r1"] == 1
 
 
+async def test_a_resync_writes_each_block_after_its_parent(tmp_path):
+    """The rebuilt index keeps what the engine's events had made of it: the blocks after
+    their parents (its orphan count 0, so the route script searches the held runs,
+    router/lua/exact.lua), a second copy, and a block stored after a parent the engine did
+    not hold still counted as an orphan (so a prompt through it is walked, and matches as
+    the record does)."""
+    from router.redis_keys import TABLE_FIELD
+
+    ep, _ = endpoints(tmp_path)
+    index = RedisPrefixIndex("redis://127.0.0.1:6379/0", namespace=f"t{uuid.uuid4().hex[:6]}")
+    feed = EventFeed("r1", ep, None, index)
+    chain = list(range(100, 140))
+    feed._enqueue([KVEvent("stored", chain[:10], None), KVEvent("stored", chain[10:25], chain[9]),
+                   KVEvent("stored", [500, 501], chain[4]),  # a branch off block 5
+                   KVEvent("stored", chain[3:5], chain[2])])  # a second copy of two blocks
+    try:
+        await feed.flush()
+
+        async def orphans() -> bytes:
+            v = await index.conn.client().hget(index.keys_of("r1").exact("r1"), TABLE_FIELD)
+            return v.split(b"~")[0]
+
+        assert await orphans() == b""
+        before = await index.lookup(chain, ["r1"]), await index.lookup(chain[:5] + [500, 501], ["r1"])
+        await index.conn.client().delete(index.keys_of("r1").exact("r1"))
+        assert await feed.resync()
+        assert await orphans() == b""
+        assert (await index.lookup(chain, ["r1"]), await index.lookup(
+            chain[:5] + [500, 501], ["r1"])) == before == ({"r1": 25}, {"r1": 7})
+        feed._enqueue([KVEvent("removed", [chain[3]])])  # one of its two copies
+        await feed.flush()
+        assert await index.lookup(chain, ["r1"]) == {"r1": 25}
+        feed._enqueue([KVEvent("stored", [900, 901], 899)])  # after a block it does not hold
+        await feed.flush()
+        assert await orphans() == b"1"
+        assert await feed.resync()
+        assert await orphans() == b"1"
+        feed._enqueue([KVEvent("removed", [chain[3]])])  # a hole: walked, the match ends there
+        await feed.flush()
+        assert await index.lookup(chain, ["r1"]) == await feed.record.lookup(chain, ["r1"]) \
+            == {"r1": 3}
+    finally:
+        await index.flush()
+        await index.close()
+
+
 async def test_the_root_checked_is_taken_before_the_flush_that_writes_it(tmp_path, own_redis):
     """Found by a review: a root the record got while a flush travelled (not written yet)
     was checked after it, found unlisted, and set off a needless resync. The root is now

@@ -15,7 +15,7 @@ from typing import Sequence
 from router.clock import Clock, SystemClock
 from router.hashing import BlockHash
 from router.index.base import GONE_TTL_S, IndexStats, PrefixIndex
-from router.kv_events.wire import EventKind, KVEvent
+from router.kv_events.wire import UNKNOWN_PARENT, EventKind, KVEvent
 
 
 class MemoryPrefixIndex(PrefixIndex):
@@ -36,6 +36,10 @@ class MemoryPrefixIndex(PrefixIndex):
         # block hash -> {replica: expiry time (s)}
         self._predicted: dict[int, dict[str, float]] = {}
         self._exact_by_replica: dict[str, set[int]] = {}
+        # block hash -> the parent it was stored after (None: a prompt's first block;
+        # UNKNOWN_PARENT: not known), while some replica holds it exactly; a hash's parent is
+        # the same on every replica (it is hashed into the block's own hash)
+        self._parent: dict[int, int | None] = {}
         # replica -> its exact entries stored as a prompt's first block (a run from block 0)
         self._roots_by_replica: dict[str, set[int]] = {}
         self._expiry_heap: list[tuple[float, int, str]] = []
@@ -162,7 +166,11 @@ class MemoryPrefixIndex(PrefixIndex):
                     if from_root and ev.block_hashes:
                         self._roots_by_replica.setdefault(replica, set()).add(
                             ev.block_hashes[0])
+                    parent = ev.parent_block_hash
                     for h in ev.block_hashes:
+                        if self._parent.get(h, UNKNOWN_PARENT) == UNKNOWN_PARENT:
+                            self._parent[h] = parent
+                        parent = h if parent != UNKNOWN_PARENT else UNKNOWN_PARENT
                         owners = self._exact.setdefault(h, {})
                         n = owners.get(replica, 0)
                         # A run stored from block 0 over blocks already held is a
@@ -180,6 +188,7 @@ class MemoryPrefixIndex(PrefixIndex):
                             self._roots_by_replica.get(replica, set()).discard(h)
                             if not owners:
                                 del self._exact[h]
+                                self._parent.pop(h, None)
                         else:
                             owners[replica] -= 1
 
@@ -191,12 +200,44 @@ class MemoryPrefixIndex(PrefixIndex):
                 owners.pop(replica, None)
                 if not owners:
                     del self._exact[h]
+                    self._parent.pop(h, None)
 
     def exact_entries(self, replica: str) -> dict[int, int]:
         """``{block hash: copies}`` of the replica's exact entries (a snapshot)."""
         with self._lock:
             return {h: self._exact[h][replica] for h in self._exact_by_replica.get(replica, ())
                     if replica in self._exact.get(h, {})}
+
+    def exact_runs(self, replica: str) -> list[tuple[int | None, list[int]]]:
+        """The replica's exact entries (one copy each) as runs of ``BlockStored`` that
+        store every block after its parent where the replica holds it: ``[(parent,
+        hashes)]``, ``hashes`` chained (each block's parent is the one before), ``parent``
+        None for a run from block 0, ``UNKNOWN_PARENT`` where not known, or a block
+        another run before stored, or one the replica does not hold. Replaying them
+        in order leaves no block stored before its held parent (the Redis index's search,
+        ``lua/exact.lua``). Each block is in exactly one run (a snapshot)."""
+        with self._lock:
+            held = {h for h in self._exact_by_replica.get(replica, ())
+                    if replica in self._exact.get(h, {})}
+            children: dict[int, list[int]] = {}
+            starts = []
+            for h in held:
+                p = self._parent.get(h, UNKNOWN_PARENT)
+                if p is not None and p in held:
+                    children.setdefault(p, []).append(h)
+                else:
+                    starts.append(h)
+            runs: list[tuple[int | None, list[int]]] = []
+            stack = [(self._parent.get(h, UNKNOWN_PARENT), h) for h in starts]
+            while stack:
+                parent, h = stack.pop()
+                run = [h]
+                while children.get(run[-1]):
+                    first, *rest = children[run[-1]]
+                    stack += [(run[-1], c) for c in rest]
+                    run.append(first)
+                runs.append((parent, run))
+            return runs
 
     def root_entries(self, replica: str) -> list[int]:
         """The replica's exact entries that were stored as a prompt's first block (a

@@ -33,7 +33,7 @@ from router.clock import Clock, SystemClock
 from router.config import redact_url
 from router.hashing import BlockHash
 from router.index.base import IndexBusy, IndexStats, IndexUnavailable, PrefixIndex
-from router.kv_events.wire import EventKind, KVEvent
+from router.kv_events.wire import UNKNOWN_PARENT, EventKind, KVEvent
 from router.logs import get_logger
 from router.redis_keys import (GONE_TTL_S, EventOp, RedisKeys, ScriptCache, ShardGroups,
                                block_fields, entries_in, pack_hashes)
@@ -576,10 +576,16 @@ class RedisPrefixIndex(PrefixIndex):
             if ev.kind is EventKind.CLEARED:
                 ops.append(EventOp.CLEARED.value)
             elif ev.medium in (None, "GPU") and ev.block_hashes:
-                op = EventOp.REMOVED if ev.kind is EventKind.REMOVED else (
-                    EventOp.STORED_FROM_ROOT if ev.parent_block_hash is None
-                    else EventOp.STORED)
-                ops += [op.value, pack_hashes(ev.block_hashes)]
+                packed = pack_hashes(ev.block_hashes)
+                if ev.kind is EventKind.REMOVED:
+                    ops += [EventOp.REMOVED.value, packed]
+                elif ev.parent_block_hash is None:
+                    ops += [EventOp.STORED_FROM_ROOT.value, packed]
+                elif ev.parent_block_hash == UNKNOWN_PARENT:
+                    ops += [EventOp.STORED_UNKNOWN_PARENT.value, packed]
+                else:  # the parent's hash first: the script keeps each block's parent
+                    ops += [EventOp.STORED.value,
+                            pack_hashes([ev.parent_block_hash]) + packed]
         if ops:
             await self._run_events(replica, [*ops, "t", self._now_ms()])
 

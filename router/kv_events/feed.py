@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from router.index.base import IndexUnavailable, PrefixIndex
 from router.index.memory import MemoryPrefixIndex
 from router.kv_events.subscriber import KVEventSubscriber
-from router.kv_events.wire import EventBatch, EventKind, KVEvent
+from router.kv_events.wire import UNKNOWN_PARENT, EventBatch, EventKind, KVEvent
 from router.logs import get_logger
 
 logger = get_logger(__name__)
@@ -269,14 +269,20 @@ class EventFeed:
         """Rewrite the replica's exact entries in the index from the local record. The
         events still pending are in the record already: they are dropped here (a flush
         after the rewrite would count their blocks' copies twice), and the feed is dirty
-        until the rewrite succeeds."""
+        until the rewrite succeeds. Each block is written after its parent where the record
+        knows it (``MemoryPrefixIndex.exact_runs``), so the index's orphan count
+        (``lua/exact.lua``) comes out as the engine's events had left it."""
         held = self.record.exact_entries(self.replica_id)
         self.pending, self.pending_batch_ts = [], []
         self.dirty = True
         events: list[KVEvent] = [KVEvent(EventKind.CLEARED)]
-        for copies in range(1, max(held.values(), default=0) + 1):
+        # each block after its parent where the replica holds it (the index then searches
+        # its held runs: router/lua/exact.lua), then the copies past the first
+        events += [KVEvent(EventKind.STORED, run, parent_block_hash=parent)
+                   for parent, run in self.record.exact_runs(self.replica_id)]
+        for copies in range(2, max(held.values(), default=0) + 1):
             hs = [h for h, n in held.items() if n >= copies]
-            events.append(KVEvent(EventKind.STORED, hs, parent_block_hash=0))
+            events.append(KVEvent(EventKind.STORED, hs, parent_block_hash=UNKNOWN_PARENT))
         # the prompts' first blocks again as such (a run from block 0 over held blocks adds
         # no copy): the index walks a replica for a prompt only if it is among the holders
         # of the prompt's first block (router/lua/roots.lua)

@@ -29,6 +29,12 @@ class EventKind(str, Enum):
     CLEARED = "cleared"
 
 
+# ``KVEvent.parent_block_hash`` of blocks stored after parents the writer does not know
+# (``router.kv_events.feed`` rebuilding an index from its record, which keeps no parents);
+# no engine's hash (those are unsigned).
+UNKNOWN_PARENT: BlockHash = -1
+
+
 @dataclass
 class KVEvent:
     """One decoded vLLM KV-cache event (``vllm/distributed/kv_events.py``).
@@ -38,7 +44,7 @@ class KVEvent:
             taken too).
         block_hashes: the 64-bit block keys, in prompt order for ``stored``.
         parent_block_hash: for ``stored``, the key of the block before the first one
-            (None at block 0).
+            (None at block 0; ``UNKNOWN_PARENT``: each block's parent is not known).
         medium: ``"GPU"`` for the engine's own KV cache (also on CPU engines); events of
             other media (offloaded tiers) do not make a prefill skip and are ignored.
     """

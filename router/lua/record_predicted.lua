@@ -8,6 +8,7 @@
 -- bounded by the TTL times the rate of new blocks. A pass of that sweep ends when its
 -- cursor comes back to 0, and the next starts SWEEP_PAUSE_MS later (sweep.lua).
 --! include sweep.lua
+--! include exact.lua
 --! include roots.lua
 
 local key, expiry, now = KEYS[1], tonumber(ARGV[2]), tonumber(ARGV[3])

@@ -1,6 +1,7 @@
 -- The replicas that may hold each root block (a prompt's first block), shared by route.lua,
 -- record_predicted.lua and apply_events.lua (router/redis_keys.py load_lua puts this file
--- where a script says "--! include roots.lua", after sweep.lua's include). Hash
+-- where a script says "--! include roots.lua", after the includes of sweep.lua and
+-- exact.lua). Hash
 -- <base>:roots: root block (8 bytes) -> its holders, each replica id followed by a zero
 -- byte, after a leading zero byte.
 -- Invariant: a replica that holds a root, exactly (KV events) or by a live predicted entry,
@@ -31,7 +32,7 @@ local ROOTS_SLACK_MS = 1000
 -- predicted one that expired less than ROOTS_SLACK_MS ago (or not at all); the key names
 -- are router/redis_keys.py RedisKeys.exact / .predicted of the base that <base>:roots names.
 local function still_holds(base, id, root, now)
-  if redis.call('HGET', base .. ':x:' .. id, root) then return true end
+  if held_entry(redis.call('HGET', base .. ':x:' .. id, root)) then return true end
   local e = tonumber(redis.call('HGET', base .. ':p:' .. id, root))
   return e ~= nil and e > now - ROOTS_SLACK_MS
 end

@@ -78,17 +78,59 @@ local function blocks(a, b)
   return unpack(H, a, b)
 end
 
+--! include sweep.lua
+--! include exact.lua
+-- the hash of block k (k >= 1) for a read that does not go on from block 1 (a search's
+-- probes): cut alone, not with every block before it
+local function hash_at(k)
+  if k <= parsed then return H[k] end
+  return string.sub(S, 8 * k - 7, 8 * k)
+end
+
 -- 1. matched prefix per candidate: leading blocks held (exact or unexpired predicted). The
 --    first read is the first block alone (most candidates do not hold a prompt's first
---    block, and the chained hashes mean they then hold none of it), then 16, then 64 at a
---    time.
+--    block, and the chained hashes mean they then hold none of it), with the candidate's
+--    orphan count (exact.lua, in TABLE_FIELD's value). Without orphans the candidate's
+--    exactly held blocks are a leading run of the prompt, found by a search that reads up
+--    to 8 blocks per HMGET (the last unknown one among them, so a prompt held whole takes
+--    one read; 8k tokens at block 16 take at most 3), and past it no block is held
+--    exactly; with orphans the run is walked, 16 then 64 blocks per read, up to its first
+--    missing block. Past the exact run the walk goes on over predicted entries as below.
 --    Also the leading blocks that need no new predicted entry ("fresh": held exactly, or
 --    predicted with more than half of the candidate's TTL left, past ``half``): a prompt
 --    sent again and again refreshes its entries once per half TTL, not on every request.
 --    ``half`` >= ``now`` (a TTL is positive: Settings), so an entry past ``half`` is held.
 --    Returns the matched and the fresh run (blocks).
+local function exact_run(xkey, lo)
+  -- lo: a held block; hi: the first block known not held (nblocks + 1: past the prompt)
+  local hi = nblocks + 1
+  while hi - lo > 1 do
+    local span = hi - lo - 1
+    local m = math.min(span, 8)
+    local probes, at = {}, {}
+    for q = 1, m do
+      at[q] = lo + math.floor(q * span / m)
+      probes[q] = hash_at(at[q])
+    end
+    local v = redis.call('HMGET', xkey, unpack(probes))
+    local q = 1
+    while q <= m and v[q] do q = q + 1 end
+    if q > 1 then lo = at[q - 1] end
+    if q <= m then hi = at[q] end
+  end
+  return lo
+end
 local function held_prefix(xkey, pkey, half)
   local i, chunk, exact, fresh = 0, 1, nil, nil
+  local first, closed = nil, false
+  if nblocks > 0 then
+    first = redis.call('HMGET', xkey, TABLE_FIELD, blocks(1, 1))
+    closed = orphans_in(first[1]) == 0
+    if first[2] and closed then
+      exact = exact_run(xkey, 1)  -- without orphans no placeholder exists: an entry holds
+      i = exact
+    end
+  end
   while i < nblocks do
     local last = math.min(i + chunk, nblocks)
     local n = last - i
@@ -98,8 +140,13 @@ local function held_prefix(xkey, pkey, half)
     if not exact then
       -- inside the exact run: the exact entries first (with KV events an engine's served
       -- prefix is held exactly), the predicted ones from the first block not held exactly
-      ex = redis.call('HMGET', xkey, blocks(i + 1, last))
-      while k <= n and ex[k] do k = k + 1 end  -- exact entries exist only with copies >= 1
+      if first then
+        ex = {first[2]}; first = nil
+      else
+        ex = redis.call('HMGET', xkey, blocks(i + 1, last))
+      end
+      for m = 1, n do ex[m] = held_entry(ex[m]) end  -- a placeholder holds nothing
+      while k <= n and ex[k] do k = k + 1 end
       if k <= n then
         exact = i + k - 1
         local p = redis.call('HMGET', pkey, blocks(i + k, last))
@@ -115,9 +162,9 @@ local function held_prefix(xkey, pkey, half)
         local e = pr[m] and tonumber(pr[m])
         if not (e and (e > half or (fresh and e > now))) then k = m; break end
       end
-      if k <= n then
+      if k <= n and not closed then  -- closed: no block past the exact run is held so
         local x = redis.call('HMGET', xkey, blocks(i + k, last))
-        for m = k, n do ex[m] = x[m - k + 1] end
+        for m = k, n do ex[m] = held_entry(x[m - k + 1]) end
       end
     end
     for m = k, n do
@@ -132,7 +179,6 @@ local function held_prefix(xkey, pkey, half)
   return nblocks, fresh or nblocks
 end
 local F = 23  -- route mode: fixed arguments before the per-candidate ones (TTLs, free KV, ids)
---! include sweep.lua
 --! include roots.lua
 -- Only the candidates among the prompt's root holders are walked: the others hold none of
 -- it (roots.lua's invariant). A holder found holding nothing is dropped from the list (once
