@@ -259,7 +259,7 @@ class EngineProcess:
             sys.executable, "-m", "replicas.engine_guard", "--grace-s", str(_GUARD_GRACE_S),
             *(a for p in self.files() for a in ("--remove", str(p))),
             *(("--tmp-root", str(root)) if (root := _engine_tmp_root()) else ()),
-            "--", *cmd, stdout=log,
+            "--shm-record", str(self.shm_record_path), "--", *cmd, stdout=log,
             stderr=asyncio.subprocess.STDOUT, env=self.env(), start_new_session=True)
         log.close()
         self.started_at = time.time()
@@ -304,19 +304,27 @@ class EngineProcess:
             return
         self._kill_group()
 
+    @property
+    def shm_record_path(self) -> Path:
+        """Where the engine's guard records the shared-memory segments its group maps
+        (``replicas.engine_guard`` ``--shm-record``), beside the engine's log."""
+        return self.log_path.with_suffix(".shm")
+
     def _kill_group(self) -> None:
         """SIGKILL the engine's process group, and delete the shared-memory segments its
-        processes map (``replicas.engine_guard``'s clean-up, which a guard killed so never
-        runs)."""
+        processes map or its guard recorded (``replicas.engine_guard``'s clean-up, which a
+        guard killed so never runs; an engine core stopping on its own may have unmapped a
+        segment that it has not unlinked yet)."""
         import signal
 
-        from replicas.engine_guard import group_shared_memory, unlink_all
-        shm = group_shared_memory(self.proc.pid)
+        from replicas.engine_guard import group_shared_memory, read_record, unlink_all
+        shm = group_shared_memory(self.proc.pid) | read_record(self.shm_record_path)
         try:
             os.killpg(self.proc.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
         unlink_all(shm)  # a name goes at once; the memory once its last mapping does
+        unlink_all([self.shm_record_path])
 
     def files(self) -> list[Path]:
         """The engine's KV-event socket files (none with abstract sockets, the default; its

@@ -1,7 +1,7 @@
 """Runs an engine command so that none of its processes outlives it: the guard of one engine.
 
     python -m replicas.engine_guard [--grace-s 10] [--remove PATH ...] [--tmp-root DIR] \
-        -- python -m vllm...
+        [--shm-record PATH] -- python -m vllm...
 
 The replica starts the guard as the leader of a new process session and group; the guard
 starts the engine in that group and waits. vLLM's API server starts its engine core (and its
@@ -33,7 +33,12 @@ once the group is gone: a process stopped by SIGKILL never unlinks what it made,
 operator's trial found 400 MiB left there after a full stop. The guard reads the group's
 mappings (``/proc/<pid>/maps``) while the engine runs (1 s after its start, then at
 doubling intervals up to ``SHM_SCAN_MAX_S``) and once more when it exits, so only the files
-the engine's own processes held are deleted.
+the engine's own processes held are deleted. It writes the names it has found to
+``--shm-record`` (one per line, rewritten whole as they grow) and deletes that file at its
+exit: where the guard is killed with SIGKILL, its API server shuts the engine core down, and
+the replica's own clean-up (``replicas.engine.EngineProcess.reap``) may kill the core half
+way, after it unmapped its segments and before it unlinked them (a test-suite run left
+400 MiB so); the replica then deletes the recorded names as well as those still mapped.
 
 Once the engine's group is gone, and if the replica is gone too, the guard deletes the
 ``--remove`` paths (the engine's KV-event socket files, when it has any; a live replica
@@ -70,7 +75,7 @@ def _kill_group(sig: int) -> None:
 
 
 def run(cmd: list[str], grace_s: float, remove: list[str] = (),
-        tmp_root: str | None = None) -> int:
+        tmp_root: str | None = None, shm_record: str | None = None) -> int:
     """Start ``cmd`` in this process group and wait; see the module docstring."""
     _die_with_parent()
     parent = os.getppid()
@@ -100,7 +105,10 @@ def run(cmd: list[str], grace_s: float, remove: list[str] = (),
             if stopping["at"] is not None and time.monotonic() - stopping["at"] > grace_s:
                 child.kill()
             if time.monotonic() >= next_scan:
-                shm |= _shared_memory(_group_members() - {os.getpid()})
+                seen = _shared_memory(_group_members() - {os.getpid()})
+                if shm_record and not seen <= shm:
+                    write_record(shm_record, shm | seen)
+                shm |= seen
                 scan_s = min(2 * scan_s, SHM_SCAN_MAX_S)
                 next_scan = time.monotonic() + scan_s
     shm |= _shared_memory(_group_members() - {os.getpid()})  # what the core still maps
@@ -118,6 +126,8 @@ def run(cmd: list[str], grace_s: float, remove: list[str] = (),
                 pass
     shutil.rmtree(tmp, ignore_errors=True)
     unlink_all(shm)
+    if shm_record:
+        unlink_all([shm_record])
     if os.getppid() != parent:  # the replica is gone: nobody else will delete them
         unlink_all(remove)
     return code if code >= 0 else 128 - code
@@ -173,6 +183,29 @@ def group_shared_memory(pgid: int) -> set[str]:
     return _shared_memory(_group_members(pgid))
 
 
+def write_record(path: str, names: set[str]) -> None:
+    """Write ``names`` (``/dev/shm/psm_*`` paths) to ``path``, one per line, whole (a
+    reader never sees half of it: written beside it, then renamed over it)."""
+    tmp = f"{path}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            f.write("".join(f"{n}\n" for n in sorted(names)))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def read_record(path) -> set[str]:
+    """The ``/dev/shm/psm_*`` names that ``write_record`` wrote to ``path`` (none when it
+    does not exist); a line that is not such a name is passed over."""
+    try:
+        with open(path) as f:
+            return {line.strip() for line in f if line.startswith("/dev/shm/psm_")
+                    and "/" not in line.strip()[len("/dev/shm/"):]}
+    except OSError:
+        return set()
+
+
 def unlink_all(paths) -> None:
     """Delete ``paths``, those already gone passed over."""
     for path in paths:
@@ -194,12 +227,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="a file to delete once the engine is gone (repeatable)")
     ap.add_argument("--tmp-root", metavar="DIR", default=None,
                     help="where to make the engine's temp folder (default: the system's)")
+    ap.add_argument("--shm-record", metavar="PATH", default=None,
+                    help="where to write the shared-memory segments the engine maps (for the "
+                         "replica's clean-up when this guard is killed)")
     ap.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the engine command")
     a = ap.parse_args(argv)
     cmd = a.cmd[1:] if a.cmd[:1] == ["--"] else a.cmd
     if not cmd:
         ap.error("no engine command")
-    return run(cmd, a.grace_s, a.remove, a.tmp_root)
+    return run(cmd, a.grace_s, a.remove, a.tmp_root, a.shm_record)
 
 
 if __name__ == "__main__":

@@ -223,7 +223,7 @@ async def test_an_engines_start_failure_names_its_root_cause(tmp_path):
     assert "an earlier start's failure" not in message
 
 
-def test_the_replica_deletes_the_shared_memory_of_an_engine_whose_guard_was_killed():
+def test_the_replica_deletes_the_shared_memory_of_an_engine_whose_guard_was_killed(tmp_path):
     """Two ``/dev/shm/psm_*`` segments stayed after a run of the test suite: where the
     guard is killed with SIGKILL (a Ray worker's exit does so), its clean-up never runs,
     and the replica kills what remains of the group (``EngineProcess.reap``). It deletes
@@ -240,6 +240,70 @@ def test_the_replica_deletes_the_shared_memory_of_an_engine_whose_guard_was_kill
     assert os.path.exists(path) and not _gone(guard.pid)
     engine = EngineProcess.__new__(EngineProcess)  # reap reads its process's pid and code
     engine.proc = types.SimpleNamespace(pid=guard.pid, returncode=-signal.SIGKILL)
+    engine.log_path = tmp_path / "engine-1.log"  # no record beside it: maps alone
     engine.reap()
     assert not os.path.exists(path)
     wait_until(lambda: _gone(guard.pid), 10, 0.1, "the engine's group to be gone")
+
+
+# an "engine core" that makes a segment, then, at SIGTERM, unmaps it and lingers without
+# unlinking it (vLLM's core stopping when the replica's SIGKILL comes half way)
+SHM_CORE_UNMAPS = textwrap.dedent("""
+    from multiprocessing import resource_tracker, shared_memory
+    import signal, time
+    m = shared_memory.SharedMemory(create=True, size=1 << 20)
+    resource_tracker.unregister(m._name, "shared_memory")
+    def stopping(*_):
+        m.close()
+        print("unmapped", flush=True)
+    signal.signal(signal.SIGTERM, stopping)
+    print(m.name, flush=True)
+    time.sleep(120)
+""")
+
+
+def test_the_replica_deletes_what_the_guard_recorded_once_the_core_has_unmapped_it(tmp_path):
+    """The segments a suite run still left (two, 400 MiB) were made by an engine core that
+    was stopping when the replica killed its group: its guard had been SIGKILLed, its API
+    server was shutting it down, it had unmapped them and not yet unlinked them, so the
+    replica found no mapping of them. The guard records what it finds (``--shm-record``)
+    and the replica deletes those names too."""
+    import types
+
+    from replicas.engine import EngineProcess
+    engine = EngineProcess.__new__(EngineProcess)
+    engine.log_path = tmp_path / "engine-1.log"
+    guard = subprocess.Popen([sys.executable, "-m", "replicas.engine_guard", "--grace-s", "3",
+                              "--shm-record", str(engine.shm_record_path), "--",
+                              sys.executable, "-c", SHM_ENGINE, SHM_CORE_UNMAPS], cwd=ROOT,
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    path = "/dev/shm/" + guard.stdout.readline().strip().lstrip("/")
+    wait_until(lambda: engine.shm_record_path.exists(), 10, 0.1, "the guard's record")
+    assert engine.shm_record_path.read_text() == path + "\n"
+    guard.kill()
+    guard.wait(10)
+    core = [int(p) for p in subprocess.check_output(["pgrep", "-g", str(guard.pid)]).split()]
+    for pid in core:
+        os.kill(pid, signal.SIGTERM)  # the core unmaps its segment and lingers
+    time.sleep(0.5)
+    from replicas.engine_guard import group_shared_memory
+    assert os.path.exists(path) and group_shared_memory(guard.pid) == set()
+    engine.proc = types.SimpleNamespace(pid=guard.pid, returncode=-signal.SIGKILL)
+    engine.reap()
+    assert not os.path.exists(path) and not engine.shm_record_path.exists()
+    wait_until(lambda: _gone(guard.pid), 10, 0.1, "the engine's group to be gone")
+
+
+def test_a_guard_that_stops_deletes_its_record(tmp_path):
+    """The record lives while the engine does: a guard that cleaned up after itself leaves
+    none behind."""
+    record = tmp_path / "engine.shm"
+    guard = subprocess.Popen([sys.executable, "-m", "replicas.engine_guard", "--grace-s", "3",
+                              "--shm-record", str(record), "--", sys.executable, "-c",
+                              SHM_ENGINE, SHM_CORE], cwd=ROOT, stdout=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    path = "/dev/shm/" + guard.stdout.readline().strip().lstrip("/")
+    wait_until(record.exists, 10, 0.1, "the guard's record")
+    guard.send_signal(signal.SIGTERM)
+    guard.wait(15)
+    assert not os.path.exists(path) and not record.exists()
