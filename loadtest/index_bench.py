@@ -58,11 +58,13 @@ every replica holds a random-length part of the same prefix, so every candidate'
 long. Every replica also holds 4,096 blocks of other prompts, so its Redis hash has the
 encoding of a serving engine's (a hash table, not a small listpack whose lookups are
 linear). The lookup reads the holders of the prompt's first block, then each listed
-candidate's held prefix (its first block, then HMGETs of 16 and 64 hashes) and stops at its
-first missing block, so its cost grows with the sum of the listed candidates' matched
-lengths; the atomic route adds the load reservation and the predicted-entry writes past the
-chosen replica's fresh run. Ingestion is far above what engines publish (an H200 prefilling
-30k tokens/s at block 16 stores about 2k blocks/s)."""
+candidate's first block and, its blocks being stored after their parents as an engine
+stores them (no orphans: router/lua/exact.lua), the end of its exact run by a search of up
+to 8 blocks per HMGET, so its cost grows with the listed candidates and the logarithm of
+their matched lengths (a replica with orphans is walked, 16 then 64 blocks per HMGET, up to
+its first missing block); the atomic route adds the load reservation and the predicted-entry
+writes past the chosen replica's fresh run. Ingestion is far above what engines publish (an
+H200 prefilling 30k tokens/s at block 16 stores about 2k blocks/s)."""
 
 TURNS_NOTES = """Reading: ``bench_turns`` replays multi-turn chat through the atomic route
 with no KV events (every held block is a predicted entry, as with engines that publish
@@ -217,9 +219,11 @@ async def bench_ingestion(url: str, blocks: int = 200_000, per_event: int = 16,
     prompts of ``per_prompt`` blocks, each stored in events of ``per_event`` blocks, the
     first from block 0 and each next one after the last block of the one before (so every
     block is stored after a held parent, as vLLM stores them), ``per_write`` blocks per
-    ``apply_events`` call. Returns blocks per second and the span (s)."""
+    ``apply_events`` call. Returns blocks per second, the span (s) and the Redis time per
+    block (us, ``INFO commandstats``: the scripts' time over the span)."""
     ns = f"bench-{uuid.uuid4().hex[:6]}"
     index = RedisPrefixIndex(url, ns, timeout_s=30.0)
+    stats = redis.asyncio.Redis.from_url(url)
     rng = random.Random(1)
     events = []
     for _ in range(blocks // per_prompt):
@@ -227,6 +231,7 @@ async def bench_ingestion(url: str, blocks: int = 200_000, per_event: int = 16,
         events += [KVEvent(EventKind.STORED, prompt[k:k + per_event],
                            prompt[k - 1] if k else None)
                    for k in range(0, per_prompt, per_event)]
+    usec = await script_usec(stats)
     t0 = time.perf_counter()
     batch: list[KVEvent] = []
     n = 0
@@ -239,10 +244,13 @@ async def bench_ingestion(url: str, blocks: int = 200_000, per_event: int = 16,
     if batch:
         await index.apply_events("replica-00", batch)
     dt = time.perf_counter() - t0
+    usec = await script_usec(stats) - usec
+    await stats.aclose()
     await index.flush()
     await index.close()
     return {"blocks": blocks, "blocks_per_event": per_event, "blocks_per_write": per_write,
-            "blocks_per_prompt": per_prompt, "seconds": dt, "blocks_per_s": blocks / dt}
+            "blocks_per_prompt": per_prompt, "seconds": dt, "blocks_per_s": blocks / dt,
+            "redis_us_per_block": usec / blocks}
 
 
 async def bench_memory(url: str, blocks: int = 160_000, cluster: bool = False,
@@ -929,7 +937,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{ingest['blocks_per_event']} blocks per BlockStored, each after its "
                 f"prompt's last, prompts of {ingest['blocks_per_prompt']} blocks, "
                 f"{ingest['blocks_per_write']} per write): **{ingest['blocks_per_s']:,.0f} "
-                f"blocks/s** ({ingest['blocks']} blocks in {ingest['seconds']:.2f} s).\n\n"
+                f"blocks/s** ({ingest['blocks']} blocks in {ingest['seconds']:.2f} s; Redis "
+                f"time {ingest['redis_us_per_block']:.2f} us per block).\n\n"
                 f"Redis memory per block ({memory['blocks']:,} blocks of one replica, "
                 f"`MEMORY USAGE`): exact entry {memory['exact_bytes_per_block']:.1f} bytes, "
                 f"predicted entry {memory['predicted_bytes_per_block']:.1f} bytes.")
