@@ -29,9 +29,9 @@ class EventKind(str, Enum):
     CLEARED = "cleared"
 
 
-# ``KVEvent.parent_block_hash`` of blocks stored after parents the writer does not know
-# (``router.kv_events.feed`` rebuilding an index from its record, which keeps no parents);
-# no engine's hash (those are unsigned).
+# ``KVEvent.parent_block_hash`` of blocks stored after parents the writer does not say
+# (``router.kv_events.feed`` rebuilding an index writes a block's copies past the first so;
+# the index then only adds copies to held blocks); no engine's hash (those are unsigned).
 UNKNOWN_PARENT: BlockHash = -1
 
 

@@ -8,8 +8,9 @@
 --   "S" <hashes>         BlockStored from block 0: one more copy of each hash not yet held
 --                        (a run from block 0 over held blocks is a re-announcement); its
 --                        first hash is a root: the replica is among its holders
---   "u" <hashes>         blocks stored after parents the writer does not know (the feed's
---                        rebuild from its record): one more copy of each
+--   "u" <hashes>         blocks stored after parents the writer does not say (the feed's
+--                        rebuild, for the copies past a block's first): one more copy of
+--                        each (a block not held yet counts as an orphan)
 --   "r" <hashes>         BlockRemoved: one copy fewer; the entry goes at zero
 --   "c"                  AllBlocksCleared: drop all entries of the replica (its predicted
 --                        ones predate the clear too)

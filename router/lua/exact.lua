@@ -5,8 +5,8 @@
 -- Entry: block (8 bytes) -> "<copies>,<children>,<parent>": the physical copies the engine
 -- holds; its held children (the held blocks whose recorded parent it is, UNKNOWN_PARENT
 -- ones not counted); and its parent's 8 bytes, '' for a prompt's first block, or
--- UNKNOWN_PARENT: stored after a block that this replica did not hold then (a lost event, a
--- rebuild from a record without parents). An entry of 0 copies is a placeholder that keeps
+-- UNKNOWN_PARENT: stored after a block that this replica did not hold then (a lost event),
+-- or after a parent the writer did not say. An entry of 0 copies is a placeholder that keeps
 -- the children count of a block evicted before its children (it holds nothing).
 --
 -- The orphan count: the held blocks whose parent is not held (or unknown), kept in the
