@@ -3,8 +3,10 @@
 Key layout: ``router.redis_keys`` (only hashes and counters, never text).
 
 Per-replica hashes make a lookup a few ``HMGET``s per candidate whatever the prompt length
-(``lua/route.lua`` reads a candidate's blocks in chunks of growing size and stops at its
-first missing block), and purging a replica one ``DEL``. Every request costs one round trip
+(``lua/route.lua`` finds the end of a candidate's exactly held run by a search of a few
+reads while the replica's held blocks are closed under parents, ``lua/exact.lua``, and
+otherwise reads its blocks in chunks of growing size up to its first missing block), and
+purging a replica one ``DEL``. Every request costs one round trip
 (``route.lua``: a lookup alone, or with the ``RedisLoadTracker`` the whole atomic decision).
 Each call is bounded by ``timeout_s``; past it, or when Redis is down, ``IndexUnavailable``
 is raised and routing decides by load. The asyncio client belongs to the event loop that
