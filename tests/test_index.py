@@ -656,6 +656,24 @@ async def test_the_held_run_search_matches_the_walk_under_engine_like_events(bac
         await redis_index.close()
 
 
+async def test_copies_removed_together_leave_no_orphan_behind():
+    """Found by a review: both copies of a block removed in one event (the second removal
+    did not read the block's parent), so the parent kept a child it no longer had, stayed
+    as a placeholder once evicted, and the replica's orphan count stayed at 1 with nothing
+    held: its runs were walked from then on, not searched."""
+    index = RedisPrefixIndex(REDIS_URL, namespace=f"t-{uuid.uuid4().hex[:8]}")
+    try:
+        await index.apply_events("A", [stored(1, 2, parent=None)])
+        await index.apply_events("A", [stored(2, parent=1)])  # a second copy of block 2
+        await index.apply_events("A", [removed(2, 2)])
+        await index.apply_events("A", [removed(1)])
+        assert await _orphan_count(index, "A") == 0
+        assert await index.exact_entry_count("A") == 0
+    finally:
+        await index.flush()
+        await index.close()
+
+
 async def test_a_held_run_is_found_in_a_few_reads():
     """A replica that holds a 512-block prompt's first 300 blocks, from its engine's events:
     the lookup reads the root holders, the first block, then searches (3 reads of 8

@@ -73,7 +73,7 @@ local function store(h, tag, again)
   if tag == UNKNOWN_PARENT then orphans = orphans + 1 end
   put(h, {c = 1, k = k, t = tag})
 end
--- Block h loses a copy (its parent's entry is in the cache: ``load`` before).
+-- Block h loses a copy (its parent's entry read into the cache before, or here).
 local function remove(h)
   local e = cache[h]
   if not e or e.c == 0 then return end
@@ -82,6 +82,7 @@ local function remove(h)
   if e.t == UNKNOWN_PARENT then
     orphans = orphans - 1
   elseif #e.t == 8 then
+    if cache[e.t] == nil then load({e.t}) end  -- a copy of h was removed earlier in the call
     local p = cache[e.t]
     if p then
       p.k = p.k - 1
@@ -117,7 +118,7 @@ while i <= #ARGV do
       local parents = {}
       for _, h in ipairs(hs) do
         local e = cache[h]
-        if e and e.c == 1 and #e.t == 8 then parents[#parents + 1] = e.t end
+        if e and e.c > 0 and #e.t == 8 then parents[#parents + 1] = e.t end
       end
       load(parents)
       for _, h in ipairs(hs) do remove(h) end
