@@ -287,6 +287,32 @@ def test_a_fresh_predicted_entry_is_left_as_it_is_with_fresh_s():
     assert index.lookup_now([1, 2, 3], ["g"]) == {"g": 3}
 
 
+def _connections(backend: str) -> RedisConnections:
+    """Connections to the tests' Redis, or (``backend`` "fakeredis") to a fakeredis server
+    of their own that stands in for its URL."""
+    conn = RedisConnections(REDIS_URL, 2.0)
+    if backend == "fakeredis":
+        import fakeredis
+        fake = fakeredis.FakeAsyncRedis()
+        conn.client = lambda *timeout: fake
+    return conn
+
+
+def _prompts(rng, count: int, p_turn: float, turn_blocks: int, fresh) -> list[list[int]]:
+    """``count`` prompts of block hashes: with probability ``p_turn`` (once one exists) a
+    longer turn of an earlier prompt (a prefix of it and 1 to ``turn_blocks - 1`` new
+    blocks), otherwise ``fresh(i)`` for the ``i``-th prompt."""
+    prompts: list[list[int]] = []
+    for i in range(count):
+        if prompts and rng.random() < p_turn:
+            base = rng.choice(prompts)
+            prompts.append(base[:rng.randrange(1, len(base) + 1)]
+                           + [rng.getrandbits(63) for _ in range(rng.randrange(1, turn_blocks))])
+        else:
+            prompts.append(fresh(i))
+    return prompts
+
+
 def _fresh_run(memory: MemoryPrefixIndex, replica: str, prompt: list[int], half: float) -> int:
     """The leading blocks of ``prompt`` that ``replica`` holds exactly or by a predicted
     entry that lives past ``half`` (s): those lua/route.lua writes no new entry for."""
@@ -318,26 +344,15 @@ async def test_the_redis_index_matches_as_the_memory_index_under_random_realisti
     clock = ManualClock(time.time())
     memory = MemoryPrefixIndex(clock=clock)
     ns = f"t-{uuid.uuid4().hex[:8]}"
-    conn = RedisConnections(REDIS_URL, 2.0)
-    if backend == "fakeredis":
-        import fakeredis
-        fake = fakeredis.FakeAsyncRedis()
-        conn.client = lambda *timeout: fake
+    conn = _connections(backend)
     redis_index = RedisPrefixIndex(REDIS_URL, namespace=ns, clock=clock, connections=conn)
     load = RedisLoadTracker(conn, ns, clock=clock)
     atomic = AtomicRoute(redis_index, load)
     route_ttl = 10.0  # no shorter than any record's TTL: a route's write (HSET) then never
     # shortens an entry, as a record's never does (the same TTL per replica in service)
     roots = [rng.getrandbits(63) for _ in range(4)]
-    prompts = []
-    for i in range(10):
-        if prompts and rng.random() < 0.4:  # a longer turn of an earlier prompt
-            base = rng.choice(prompts)
-            prompts.append(base[:rng.randrange(1, len(base) + 1)]
-                           + [rng.getrandbits(63) for _ in range(rng.randrange(1, 20))])
-        else:
-            prompts.append([roots[i % len(roots)]]
-                           + [rng.getrandbits(63) for _ in range(rng.randrange(0, 40))])
+    prompts = _prompts(rng, 10, 0.4, 20, lambda i: [roots[i % len(roots)]] + [
+        rng.getrandbits(63) for _ in range(rng.randrange(0, 40))])
     replicas = ["A", "B", "C"]
     both = (memory, redis_index)
 
@@ -557,21 +572,10 @@ async def test_the_held_run_search_matches_the_walk_under_engine_like_events(bac
 
     rng = random.Random(seed)
     memory = MemoryPrefixIndex()
-    conn = RedisConnections(REDIS_URL, 2.0)
-    if backend == "fakeredis":
-        import fakeredis
-        fake = fakeredis.FakeAsyncRedis()
-        conn.client = lambda *timeout: fake
     redis_index = RedisPrefixIndex(REDIS_URL, namespace=f"t-{uuid.uuid4().hex[:8]}",
-                                   connections=conn)
-    prompts: list[list[int]] = []
-    for i in range(12):
-        if prompts and rng.random() < 0.6:  # a turn that continues an earlier prompt
-            base = rng.choice(prompts)
-            prompts.append(base[:rng.randrange(1, len(base) + 1)]
-                           + [rng.getrandbits(63) for _ in range(rng.randrange(1, 40))])
-        else:
-            prompts.append([rng.getrandbits(63) for _ in range(rng.randrange(1, 60))])
+                                   connections=_connections(backend))
+    prompts = _prompts(rng, 12, 0.6, 40, lambda i: [
+        rng.getrandbits(63) for _ in range(rng.randrange(1, 60))])
     parent = {p[i]: (p[i - 1] if i else None) for p in prompts for i in range(len(p))}
     copies: dict[int, int] = {}  # the engine's blocks: hash -> physical copies
     seen = {"orphaned": 0, "searched": 0}

@@ -73,7 +73,8 @@ local function store(h, tag, again)
   if tag == UNKNOWN_PARENT then orphans = orphans + 1 end
   put(h, {c = 1, k = k, t = tag})
 end
--- Block h loses a copy (its parent's entry read into the cache before, or here).
+-- Block h loses a copy (its parent's entry is in the cache: an 'r' op reads the parents of
+-- all its held blocks before it removes any, and a block stored in this call read its own).
 local function remove(h)
   local e = cache[h]
   if not e or e.c == 0 then return end
@@ -82,7 +83,6 @@ local function remove(h)
   if e.t == UNKNOWN_PARENT then
     orphans = orphans - 1
   elseif #e.t == 8 then
-    if cache[e.t] == nil then load({e.t}) end  -- a copy of h was removed earlier in the call
     local p = cache[e.t]
     if p then
       p.k = p.k - 1
