@@ -76,15 +76,18 @@ async def test_a_lost_batch_is_counted_and_filled_by_replay(tmp_path):
     index = MemoryPrefixIndex()
     feed = EventFeed("r1", ep, rp, index, flush_interval_s=0.001)
     feed.start()
-    await asyncio.sleep(0.2)
-    for i in range(10):
+    # batch 0 applied: the subscriber is connected and its first replay is done, so the
+    # batches after it come over PUB/SUB (a replay at connection would return batch 5 too)
+    await pub.publish([KVEvent("stored", [100], None)], 32)
+    await until(lambda: _matched(index, [100], 1))
+    for i in range(1, 10):
         if i == 5:  # batch 5 is buffered for replay but never reaches the subscriber
             pub.buffer.append((pub.seq, pub._enc.encode([0.0, [
                 {"type": "BlockStored", "block_hashes": [105], "parent_block_hash": 104,
                  "token_ids": [], "block_size": 32}], 0])))
             pub.seq += 1
             continue
-        await pub.publish([KVEvent("stored", [100 + i], 99 + i if i else None)], 32)
+        await pub.publish([KVEvent("stored", [100 + i], 99 + i)], 32)
     await until(lambda: _matched(index, list(range(100, 110)), 10))
     assert feed.subscriber.gaps == 1 and feed.subscriber.unfilled_gaps == 0
     await feed.stop()

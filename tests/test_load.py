@@ -109,11 +109,11 @@ async def test_a_failed_release_after_a_deferred_first_byte_leaves_no_prefill_in
     async def failing(*args):
         raise IndexUnavailable("timeout")
 
-    t._release = failing
+    t._release = failing  # the heartbeat's retries too, until the view is checked
     await t.release("q")  # within the delay: the first byte never reached Redis
-    t._release = real
     a = await _load(t)
     assert (a.inflight, a.prefill_tokens) == (0, 0) and t.pending_releases == {"q"}
+    t._release = real
     await t.retry_releases()
     a = await _load(t)
     assert (a.inflight, a.prefill_tokens) == (0, 0) and not t.pending_releases
