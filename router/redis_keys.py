@@ -25,7 +25,10 @@ with one more field, ``TABLE_FIELD``, that keeps Redis's encoding a hash table
   run by a search of a few reads);
 * ``<ns>:p:<replica>``: hash ``block hash -> expiry (ms)`` of predicted entries; the hash
   expires with its latest entry and expired fields are swept a few at a time on each write
-  (Redis 7.0 has no per-field TTL; ``lua/record_predicted.lua``);
+  (Redis 7.0 has no per-field TTL; ``lua/record_predicted.lua``); no live entry expires
+  later than its parent, unless the hash is marked out of order: its ``TABLE_FIELD``'s
+  value then begins with the time (ms) until which it may be (``lua/sweep.lua``: while it
+  is in order the route script finds a prompt's predicted run by a search);
 * ``<ns>:gone:<replica>``: tombstone of a replica that left (the routers or the replica
   itself purged it), expiring after ``GONE_TTL_S``: while it lives, ``lua/apply_events.lua``
   refuses the replica's writes, so a feed that still runs during its replica's shutdown, or
@@ -75,7 +78,8 @@ _LUA_DIR = Path(__file__).with_name("lua")
 # The version of the layout above: raise it with every change of a key's name, type or
 # value format that a router of the previous version would misread. Routers of two layouts
 # never use one namespace's keys at the same time (router.index.layout).
-LAYOUT_VERSION = 3  # 2: the index's hashes carry TABLE_FIELD; 3: exact entries keep parents
+LAYOUT_VERSION = 4  # 2: the index's hashes carry TABLE_FIELD; 3: exact entries keep parents;
+# 4: predicted hashes kept in order (lua/sweep.lua), or marked out of order
 
 
 def check_replica_id(replica: str) -> str:
@@ -338,17 +342,18 @@ def load_lua(name: str) -> str:
 
 class Scripts:
     """The router's Lua scripts registered on one client (``redis.asyncio.Redis``), by
-    name: ``route``, ``lease``, ``record_predicted``, ``apply_events``, ``rate_limit``,
-    ``layout``, ``drained``.
+    name: ``route``, ``lease``, ``record_predicted``, ``forget_predicted``, ``apply_events``,
+    ``rate_limit``, ``layout``, ``drained``.
     Registering sends nothing; the first call loads a script (``EVALSHA``, then ``EVAL``
     on a miss)."""
 
-    NAMES = ("route", "lease", "record_predicted", "apply_events", "rate_limit", "layout",
-             "drained")
+    NAMES = ("route", "lease", "record_predicted", "forget_predicted", "apply_events",
+             "rate_limit", "layout", "drained")
     _sources: dict[str, str] = {}
     route: Any  # redis.commands.core.AsyncScript, each
     lease: Any
     record_predicted: Any
+    forget_predicted: Any
     apply_events: Any
     rate_limit: Any
     layout: Any

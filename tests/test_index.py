@@ -396,8 +396,15 @@ async def test_the_redis_index_matches_as_the_memory_index_under_random_realisti
                 assert matched == want, (step, "route")
                 seen["routes"] += 1
                 seen["dropped"] += holders > sum(1 for n in want.values() if n)
-                fresh = _fresh_run(memory, chosen, prompt, clock.now() + route_ttl / 2)
-                memory.record_predicted_now(chosen, prompt[fresh:], route_ttl)
+                half = clock.now() + route_ttl / 2
+                fresh = _fresh_run(memory, chosen, prompt, half)
+                # past a fresh run's last block predicted past half (past the exact run), its
+                # expiry at most (lua/route.lua, step 5)
+                exact = _fresh_run(memory, chosen, prompt, float("inf"))
+                bound = memory._predicted.get(prompt[fresh - 1], {}).get(chosen, 0.0) \
+                    if fresh > exact else 0.0
+                ttl = min(route_ttl, bound - clock.now()) if bound > half else route_ttl
+                memory.record_predicted_now(chosen, prompt[fresh:], ttl)
                 await load.release(f"q{step}")
             elif op < 0.78:
                 for index in both:
@@ -707,6 +714,155 @@ async def test_a_held_run_is_found_in_a_few_reads():
         assert await _orphan_count(index, "A") == 0
         assert await index.lookup(prompt, ["A", "B"]) == {"A": 150, "B": 0}
     finally:
+        await index.flush()
+        await index.close()
+
+
+async def _raw_holdings(index: RedisPrefixIndex, replica: str
+                        ) -> tuple[set[int], dict[int, int], int]:
+    """A replica's exact blocks held (copies > 0), its predicted entries (block -> expiry,
+    ms) and the time its predicted hash is marked out of order until (0: in order), read
+    raw from Redis."""
+    client = index.conn.client()
+    x = await client.hgetall(index.keys_of(replica).exact(replica))
+    p = await client.hgetall(index.keys_of(replica).predicted(replica))
+    mark = (p.get(TABLE_FIELD) or b"").split(b"~")[0]
+    return ({int.from_bytes(f, "big") for f, v in x.items()
+             if f != TABLE_FIELD and not v.startswith(b"0")},
+            {int.from_bytes(f, "big"): int(v) for f, v in p.items() if f != TABLE_FIELD},
+            int(mark) if mark else 0)
+
+
+def _held_run(prompt: list[int], exact: set[int], predicted: dict[int, int], now_ms: int) -> int:
+    """The definition of a match: the leading blocks held exactly or by a predicted entry
+    that expires after ``now_ms``."""
+    for i, h in enumerate(prompt):
+        if not (h in exact or predicted.get(h, 0) > now_ms):
+            return i
+    return len(prompt)
+
+
+@pytest.mark.parametrize("backend", ["redis", "fakeredis"])
+@pytest.mark.parametrize("seed", range(4))
+async def test_the_predicted_run_search_matches_the_walk_under_the_routers_writes(
+        backend, seed):
+    """lua/route.lua finds a candidate's predicted run by a search while its predicted hash
+    is in order (lua/sweep.lua: no live entry expires later than its parent), and walks it
+    while the hash is marked out of order. Under random sequences of what routers write
+    (atomic routes of new prompts and of later turns of earlier ones, with TTLs that differ
+    between routes; ``record_predicted``; ``forget_predicted`` of a prompt's tail; on seeds
+    2 and 3 also an engine's KV events, whose exactly held blocks the routes write past) and
+    of time passing (expiries, sweeps), every lookup equals the definition read raw from
+    Redis (leading blocks held exactly or by a live predicted entry), every route matches
+    its chosen replica's whole prompt after it, and whenever a hash is not marked its live
+    entries are in order. Both the search and the walk run."""
+    import random
+
+    rng = random.Random(seed)
+    clock = ManualClock(time.time())
+    conn = _connections(backend)
+    index = RedisPrefixIndex(REDIS_URL, namespace=f"t-{uuid.uuid4().hex[:8]}", clock=clock,
+                             connections=conn)
+    load = RedisLoadTracker(conn, index.ns, clock=clock)
+    atomic = AtomicRoute(index, load)
+    replicas = ["A", "B"]
+    with_events = seed >= 2
+    prompts = _prompts(rng, 30, 0.7, 12, lambda i: [
+        rng.getrandbits(63) for _ in range(rng.randrange(1, 90))])
+    parent = {p[i]: (p[i - 1] if i else None) for p in prompts for i in range(len(p))}
+    engine: set[int] = set()  # blocks A's engine holds (seeds 2, 3)
+    seen = {"in order": 0, "out of order": 0}
+    try:
+        for step in range(160):
+            prompt = rng.choice(prompts)
+            op = rng.random()
+            if op < 0.5:
+                ttls = [rng.choice([4.0, 8.0, 12.0]) for _ in replicas]
+                chosen, _ = await atomic.route(
+                    f"q{step}", len(prompt) * BS, prompt, replicas, ttls, block_size=BS,
+                    prefill_rate=20000.0, work_weight=1.0, decode_step_s_per_seq=3e-5,
+                    step_token_budget=8192, tie_abs_s=0.002, tie_rel=0.05, u=rng.random())
+                assert (await index.lookup(prompt, [chosen]))[chosen] == len(prompt), step
+                await load.release(f"q{step}")
+            elif op < 0.6:
+                await index.record_predicted(rng.choice(replicas), prompt, rng.choice([4.0, 8.0]))
+            elif op < 0.7:
+                await index.forget_predicted(rng.choice(replicas),
+                                             prompt[rng.randrange(len(prompt)):])
+            elif op < 0.85 and with_events:  # A's engine stores a prompt's head, or evicts
+                if rng.random() < 0.6:
+                    k = rng.randrange(1, len(prompt) + 1)
+                    start = 0
+                    while start < k and prompt[start] in engine:
+                        start += 1
+                    if start < k:
+                        await index.apply_events("A", [KVEvent(
+                            "stored", prompt[start:k], prompt[start - 1] if start else None)])
+                        engine.update(prompt[start:k])
+                elif engine:  # a leaf, tail first
+                    parents = {parent[h] for h in engine}
+                    leaf = rng.choice([h for h in engine if h not in parents])
+                    await index.apply_events("A", [KVEvent("removed", [leaf])])
+                    engine.discard(leaf)
+            else:
+                clock.advance(rng.choice([0.5, 1.0, 2.0, 3.0]))
+            now_ms = int(clock.now() * 1000)
+            for r in replicas:
+                exact, predicted, mark = await _raw_holdings(index, r)
+                ordered = mark <= now_ms
+                seen["in order" if ordered else "out of order"] += 1
+                if ordered:
+                    for h, e in predicted.items():
+                        if e > now_ms and parent[h] is not None:
+                            assert predicted.get(parent[h], 0) >= e, (step, r)
+                for q in rng.sample(prompts, 4):
+                    assert (await index.lookup(q, [r]))[r] == \
+                        _held_run(q, exact, predicted, now_ms), (step, r, ordered)
+        assert seen["in order"] >= 50, seen
+        if with_events or seed == 1:
+            assert seen["out of order"] >= 10, seen
+    finally:
+        await load.close()
+        await index.flush()
+        await index.close()
+
+
+async def test_a_predicted_run_is_found_in_a_few_reads():
+    """A fleet without KV events: a replica's predicted entries of a 512-block prompt (a
+    conversation's turns written one after another) are found by a search, a few reads,
+    where the walk of the same run reads every block (1, 16, then 64 per read: 9 reads);
+    once a tail of it is forgotten (the hash marked out of order) the lookup walks, and still
+    matches."""
+    clock = ManualClock(time.time())
+    conn = RedisConnections(REDIS_URL, 2.0)
+    index = RedisPrefixIndex(REDIS_URL, namespace=f"t-{uuid.uuid4().hex[:8]}", clock=clock,
+                             connections=conn)
+    load = RedisLoadTracker(conn, index.ns, clock=clock)
+    atomic = AtomicRoute(index, load)
+    client = index.conn.client()
+    prompt = list(range(5000, 5512))
+
+    async def hmgets() -> int:
+        return (await client.info("commandstats")).get("cmdstat_hmget", {}).get("calls", 0)
+
+    try:
+        for k, end in enumerate((100, 300, 450, 512)):  # four turns, a second apart
+            await atomic.route(f"t{k}", end * BS, prompt[:end], ["A"], [60.0], block_size=BS,
+                               prefill_rate=20000.0, work_weight=1.0,
+                               decode_step_s_per_seq=3e-5, step_token_budget=8192,
+                               tie_abs_s=0.002, tie_rel=0.05, u=0.0)
+            await load.release(f"t{k}")
+            clock.advance(1.0)
+        before = await hmgets()
+        assert await index.lookup(prompt, ["A", "B"]) == {"A": 512, "B": 0}
+        searched = await hmgets() - before
+        assert searched <= 4, searched  # the roots, the first blocks, one search read
+        await index.forget_predicted("A", prompt[400:])
+        before = await hmgets()
+        assert await index.lookup(prompt, ["A", "B"]) == {"A": 400, "B": 0}
+        assert await hmgets() - before > searched + 3
+    finally:
+        await load.close()
         await index.flush()
         await index.close()
 

@@ -38,7 +38,7 @@ from router.index.base import IndexBusy, IndexStats, IndexUnavailable, PrefixInd
 from router.kv_events.wire import UNKNOWN_PARENT, EventKind, KVEvent
 from router.logs import get_logger
 from router.redis_keys import (GONE_TTL_S, EventOp, RedisKeys, ScriptCache, ShardGroups,
-                               block_fields, entries_in, pack_hashes)
+                               entries_in, pack_hashes)
 
 logger = get_logger(__name__)
 
@@ -558,17 +558,17 @@ class RedisPrefixIndex(PrefixIndex):
 
     async def forget_predicted(self, replica: str, block_hashes: Sequence[BlockHash],
                                maintenance: bool = False) -> None:
-        """As ``PrefixIndex.forget_predicted``; ``maintenance`` as in ``record_predicted``."""
+        """As ``PrefixIndex.forget_predicted``; ``maintenance`` as in ``record_predicted``.
+        One script (``lua/forget_predicted.lua``), which also marks the hash out of order
+        for the route script's search until the deleted entries would have expired (their
+        children, blocks of other prompts, may stay)."""
         if not block_hashes:
             return
         key = self.keys_of(replica).predicted(replica)
-        fields = block_fields(block_hashes)
+        packed = pack_hashes(block_hashes)
 
         async def run(client):
-            pipe = client.pipeline(transaction=False)
-            for i in range(0, len(fields), 1024):
-                pipe.hdel(key, *fields[i:i + 1024])
-            await pipe.execute()
+            return await self.scripts.of(client).forget_predicted(keys=[key], args=[packed])
 
         await self.conn.call(run, maintenance=maintenance)
 

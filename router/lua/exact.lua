@@ -19,16 +19,8 @@
 -- engine's own events keep it at 0; an eviction that leaves a hole raises it until the
 -- hole's children go, and route.lua then walks as before (docs/fault-cases.md 2.4).
 local UNKNOWN_PARENT = '?'
--- the orphan count in TABLE_FIELD's value ``v`` (false: no hash)
-local function orphans_in(v)
-  return v and tonumber(string.match(v, '^%d+')) or 0
-end
--- TABLE_FIELD's value for an orphan count ``n`` (as long as TABLE_VALUE)
-local function orphans_value(n)
-  if n <= 0 then return TABLE_VALUE end
-  local d = string.format('%d', n)
-  return d .. string.rep('~', #TABLE_VALUE - #d)
-end
+-- the orphan count in TABLE_FIELD's value ``v`` (false: no hash), and the value for a count
+local orphans_in, orphans_value = number_in, with_number
 local function parse_entry(v)
   if not v then return false end
   local c, k, t = string.match(v, '^(%d+),(%d+),(.*)$')

@@ -94,16 +94,27 @@ end
 --    exactly held blocks are a leading run of the prompt, found by a search that reads up
 --    to 8 blocks per HMGET (the last unknown one among them, so a prompt held whole takes
 --    one read; 8k tokens at block 16 take at most 3), and past it no block is held
---    exactly; with orphans the run is walked, 16 then 64 blocks per read, up to its first
---    missing block. Past the exact run the walk goes on over predicted entries as below.
+--    exactly. Past that run, with the predicted hash in order (sweep.lua: no live entry
+--    expires later than its parent), the predicted entries held are a leading run too, and
+--    so are those fresh (below): both ends are found by the same search, so a fleet without
+--    KV events (every block held so) reads a few blocks per candidate, not all of them. With
+--    orphans the exact run is walked, 16 then 64 blocks per read, up to its first missing
+--    block, and past it (or past a search's exact run in a predicted hash out of order) the
+--    walk goes on over the predicted entries.
 --    Also the leading blocks that need no new predicted entry ("fresh": held exactly, or
 --    predicted with more than half of the candidate's TTL left, past ``half``): a prompt
 --    sent again and again refreshes its entries once per half TTL, not on every request.
 --    ``half`` >= ``now`` (a TTL is positive: Settings), so an entry past ``half`` is held.
---    Returns the matched and the fresh run (blocks).
-local function exact_run(xkey, lo)
-  -- lo: a held block; hi: the first block known not held (nblocks + 1: past the prompt)
-  local hi = nblocks + 1
+--    Returns the matched and the fresh run (blocks), and the predicted expiry of the fresh
+--    run's last block when it is held so past ``half`` (false otherwise): the bound of the
+--    expiry of entries written past it (step 5).
+--
+-- run_end: the end of a run of the prompt's blocks in ``key``, by a search: ``lo`` a block
+-- in the run, ``hi`` the first block known past it (nblocks + 1: past the prompt). In the
+-- run: with ``thr`` nil, a block whose field is there (an exact entry: without orphans no
+-- placeholder exists); with ``thr``, one whose value, an expiry, is past ``thr``. ``seen``
+-- (optional) is called with each probe's block and expiry (or nil).
+local function run_end(key, lo, hi, thr, seen)
   while hi - lo > 1 do
     local span = hi - lo - 1
     local m = math.min(span, 8)
@@ -112,25 +123,55 @@ local function exact_run(xkey, lo)
       at[q] = lo + math.floor(q * span / m)
       probes[q] = hash_at(at[q])
     end
-    local v = redis.call('HMGET', xkey, unpack(probes))
+    local v = redis.call('HMGET', key, unpack(probes))
     local q = 1
-    while q <= m and v[q] do q = q + 1 end
+    if thr then
+      for r = 1, m do v[r] = tonumber(v[r]) end
+      while q <= m and v[q] and v[q] > thr do q = q + 1 end
+      if seen then for r = 1, m do seen(at[r], v[r]) end end
+    else
+      while q <= m and v[q] do q = q + 1 end
+    end
     if q > 1 then lo = at[q - 1] end
     if q <= m then hi = at[q] end
   end
   return lo
 end
+-- the predicted runs past an exact run of ``x`` blocks (the hash in order), ``e1`` block x +
+-- 1's predicted expiry (nil: none); returns as held_prefix
+local function predicted_runs(pkey, x, e1, half)
+  if not (e1 and e1 > now) then return x, x, false end
+  local val, live_lo, live_hi, fresh = {[x + 1] = e1}, x + 1, nblocks + 1, x
+  if e1 > half then  -- the fresh run first; its probes bound the held run's search
+    fresh = run_end(pkey, x + 1, nblocks + 1, half, function(k, e)
+      val[k] = e
+      if e and e > now then
+        if k > live_lo then live_lo = k end
+      elseif k < live_hi then
+        live_hi = k
+      end
+    end)
+  end
+  local matched = run_end(pkey, math.max(live_lo, fresh), live_hi, now)
+  return matched, fresh, fresh > x and val[fresh]
+end
 local function held_prefix(xkey, pkey, half)
-  local i, chunk, exact, fresh = 0, 1, nil, nil
-  local first, closed = nil, false
+  local i, chunk, exact, fresh, bound = 0, 1, nil, nil, false
+  local first, closed, pfirst = nil, false, nil
   if nblocks > 0 then
     first = redis.call('HMGET', xkey, TABLE_FIELD, blocks(1, 1))
     closed = orphans_in(first[1]) == 0
-    if first[2] and closed then
-      exact = exact_run(xkey, 1)  -- without orphans no placeholder exists: an entry holds
-      i = exact
+    if closed then
+      exact = first[2] and run_end(xkey, 1, nblocks + 1) or 0
+      if exact >= nblocks then return nblocks, nblocks, false end
+      local p = redis.call('HMGET', pkey, TABLE_FIELD, hash_at(exact + 1))
+      if unordered_until(p[1]) <= now then
+        return predicted_runs(pkey, exact, tonumber(p[2]), half)
+      end
+      i, first, pfirst = exact, nil, p[2]  -- out of order: walked from block exact + 1
     end
   end
+  local carry = false  -- the last block read's predicted expiry if past half
   while i < nblocks do
     local last = math.min(i + chunk, nblocks)
     local n = last - i
@@ -156,7 +197,11 @@ local function held_prefix(xkey, pkey, half)
       -- past the exact run: the predicted entries first (a fleet without KV events holds
       -- every block so), the exact ones only from the first block that its predicted entry
       -- does not decide: not held, or held but not fresh while the fresh run is still open
-      pr = redis.call('HMGET', pkey, blocks(i + 1, last))
+      if pfirst ~= nil then
+        pr = {pfirst}; pfirst = nil
+      else
+        pr = redis.call('HMGET', pkey, blocks(i + 1, last))
+      end
       k = n + 1
       for m = 1, n do
         local e = pr[m] and tonumber(pr[m])
@@ -170,13 +215,23 @@ local function held_prefix(xkey, pkey, half)
     for m = k, n do
       local e = pr[m]
       e = e and tonumber(e)
-      if not fresh and not (ex[m] or (e and e > half)) then fresh = i + m - 1 end
-      if not (ex[m] or (e and e > now)) then return i + m - 1, fresh or (i + m - 1) end
+      if not fresh and not (ex[m] or (e and e > half)) then
+        fresh = i + m - 1
+        if m > 1 then
+          bound = tonumber(pr[m - 1]) or false
+          if bound and bound <= half then bound = false end
+        else
+          bound = carry
+        end
+      end
+      if not (ex[m] or (e and e > now)) then return i + m - 1, fresh, bound end
     end
+    carry = tonumber(pr[n]) or false
+    if carry and carry <= half then carry = false end
     i = last
     if chunk == 1 then chunk = 16 else chunk = 64 end
   end
-  return nblocks, fresh or nblocks
+  return nblocks, fresh or nblocks, bound
 end
 local F = 23  -- route mode: fixed arguments before the per-candidate ones (TTLs, free KV, ids)
 --! include roots.lua
@@ -191,7 +246,7 @@ if nblocks > 0 then
   upto(1)
   holders = redis.call('HGET', roots, H[1])
 end
-local matched, fresh_run = {}, {}
+local matched, fresh_run, bounds = {}, {}, {}
 local stale = false
 local walks, holder = 0, {}
 for j = 1, nc do
@@ -203,10 +258,10 @@ for j = 1, nc do
     walks = walks - 1
     last_walk = walks == 0
     local half = mode ~= 'lookup' and now + tonumber(ARGV[F + j]) / 2 or now
-    matched[j], fresh_run[j] = held_prefix(KEYS[2 * j - 1], KEYS[2 * j], half)
+    matched[j], fresh_run[j], bounds[j] = held_prefix(KEYS[2 * j - 1], KEYS[2 * j], half)
     if matched[j] == 0 then stale = true end
   else
-    matched[j], fresh_run[j] = 0, 0
+    matched[j], fresh_run[j], bounds[j] = 0, 0, false
   end
 end
 if stale and mode ~= 'lookup' then
@@ -406,14 +461,28 @@ redis.call('SET', heartbeat, 1, 'PX', heartbeat_ttl)
 --    new prompts all the time kept every expired field: the hash only expires whole). A
 --    pass of the sweep ends when its cursor comes back to 0; the next pass starts
 --    SWEEP_PAUSE_MS later (sweep.lua).
+--    The entries expire at most when the fresh run's last block's predicted entry does,
+--    which keeps the hash in order (sweep.lua): with one TTL for every write, a TTL from
+--    when that entry was written, and more than half a TTL from now (it is fresh), as the
+--    fresh run's own entries, so every block of a routed prompt lives at least half a TTL
+--    past its route, as before. Past a last block held exactly with no such entry, the new
+--    entries get a whole TTL and mark the hash out of order.
 local first = fresh_run[pick] + 1  -- the fresh run holds the exact run
 if first <= nblocks then
   upto(nblocks)
   local pkey = KEYS[2 * pick]
   local expiry = now + ttls[pick]
-  local e = string.format('%d', expiry)
   local args = {}
   as_table(pkey)  -- sweep.lua
+  if first > 1 then
+    local b = bounds[pick]
+    if not b then
+      mark_unordered(pkey, expiry)  -- sweep.lua
+    elseif b < expiry then
+      expiry = b
+    end
+  end
+  local e = string.format('%d', expiry)
   for i = first, nblocks do
     args[#args + 1] = H[i]; args[#args + 1] = e
     if #args >= 512 then redis.call('HSET', pkey, unpack(args)); args = {} end

@@ -17,9 +17,49 @@ local SWEEP_PAUSE_MS, SWEEP_SKEW_MS = 1000, 10000
 -- table from its start, not as a listpack, whose HMGET finds each field by a linear scan
 -- (a walk of 512 blocks in a listpack of 512 fields cost Redis 1.9 ms, against 0.31 ms in
 -- a hash table; docs/benchmarks.md). Readers pass over it: it is no block.
+-- TABLE_FIELD's value may begin with a number (digits, then '~'s to the same length; no
+-- digits: 0): an exact hash's orphan count (exact.lua), a predicted hash's time until which
+-- it may be out of order (below).
 local TABLE_FIELD, TABLE_VALUE = '~', string.rep('~', 128)
 local function as_table(key)
   if redis.call('EXISTS', key) == 0 then redis.call('HSET', key, TABLE_FIELD, TABLE_VALUE) end
+end
+-- the number that TABLE_FIELD's value ``v`` begins with (false or nil: no hash): 0 if none
+local function number_in(v)
+  return v and tonumber(string.match(v, '^%d+')) or 0
+end
+-- TABLE_FIELD's value that begins with the number ``n`` (as long as TABLE_VALUE)
+local function with_number(n)
+  if n <= 0 then return TABLE_VALUE end
+  local d = string.format('%d', n)
+  return d .. string.rep('~', #TABLE_VALUE - #d)
+end
+
+-- A predicted hash's order. While no live entry expires later than its block's parent
+-- (the block before it in every prompt that holds it: the hashes are chained), the blocks
+-- of a prompt held by live predicted entries are a leading run, so route.lua finds its end
+-- by a search of a few reads instead of walking every block. The writes keep that order:
+-- route.lua gives the blocks it writes past a prompt's fresh run at most the expiry of the
+-- run's last block, record_predicted.lua writes a prompt's blocks from its first, each to
+-- at least one expiry, and a sweep deletes only expired entries. Two things may break it,
+-- and mark the hash out of order until every entry they may have put out of order has
+-- expired (the time, ms, that TABLE_FIELD's value begins with; none: in order): a write
+-- past a fresh run whose last block is held exactly with no predicted entry to bound the
+-- new ones (a fleet with KV events), and deleted entries whose children stay
+-- (forget_predicted.lua). Until then route.lua walks the predicted entries. An entry that
+-- route.lua writes lower than it was (only in a hash out of order: in order, an entry past
+-- the fresh run expires no later than the run's first block that is not fresh, at most
+-- half a TTL from now) can only put out of order children that expire before the mark.
+-- (Routers' clocks differ: a sweep by a router whose clock runs ahead may delete a parent
+-- that another still sees live; that router then matches what it would have matched
+-- before the sweep, by its own clock.)
+local function unordered_until(v)  -- v: TABLE_FIELD's value
+  return number_in(v)
+end
+local function mark_unordered(pkey, until_ms)
+  if number_in(redis.call('HGET', pkey, TABLE_FIELD)) < until_ms then
+    redis.call('HSET', pkey, TABLE_FIELD, with_number(until_ms))
+  end
 end
 -- ``keep`` (optional): for another hash than a predicted one (roots.lua), the value a
 -- field keeps (false: the field goes), from its name and value; by default a field whose
