@@ -149,16 +149,35 @@ async def bench_lookup(url: str, tokens: int, n_replicas: int, iters: int,
             "route_span_redis_us": span_us / iters}
 
 
+# The conversations' shapes of ``bench_turns``: the block size (tokens), the blocks a
+# conversation starts with, how many of the conversations share them (a system prompt),
+# the blocks each turn adds, and the length past which a conversation starts again.
+TURN_SHAPES = {
+    # 40 blocks of 32 tokens growing by 3 a turn, cut back to 40 past 100
+    "default": dict(block_size=BS, start_blocks=40, share=1, turn_blocks=3, max_blocks=100),
+    # loadtest.router_throughput's: a system prompt of 1,200 tokens shared by 4
+    # conversations, then 8 turns of about 200 tokens (an MT-Bench question and a 100-token
+    # answer), at vLLM's block size of 16: 75 blocks growing by 13 a turn, cut back to 75
+    # past 179 (127 blocks on average)
+    "chat2k": dict(block_size=16, start_blocks=75, share=4, turn_blocks=13, max_blocks=179),
+}
+
+
 async def bench_turns(url: str, turns: int = 3000, conversations: int = 32,
-                      n_replicas: int = 8, ttl_s: float = 120.0, seed: int = 1) -> dict:
+                      n_replicas: int = 8, ttl_s: float = 120.0, seed: int = 1,
+                      shape: str = "default") -> dict:
     """Multi-turn chat replayed through the atomic route, as a fleet without KV events sees
-    it (every held block a predicted entry): ``conversations`` of 40 blocks (1,280 tokens)
-    growing by 3 blocks a turn, cut back to 40 past 100, each turn routed over
-    ``n_replicas`` and released. Per turn: the Redis time of the route and the release
-    (``script_usec``, us), the ``HSCAN`` calls of the predicted entries' sweep, and the
-    ``HMGET`` calls and their own Redis time (the candidates' walks inside the route
-    script, and its one read of the candidates' loads; ``INFO commandstats``); at the end
-    the predicted fields held (``HLEN``). ``ttl_s``: the predicted entries' TTL (s)."""
+    it (every held block a predicted entry): ``conversations`` of the ``TURN_SHAPES``
+    ``shape`` (by default 40 blocks, 1,280 tokens, growing by 3 blocks a turn, cut back to
+    40 past 100), each turn routed over ``n_replicas`` and released. Per turn: the Redis
+    time of the route and the release (``script_usec``, us), the ``HSCAN`` calls of the
+    predicted entries' sweep, and the ``HMGET`` calls and their own Redis time (the
+    candidates' walks inside the route script, and its one read of the candidates' loads;
+    ``INFO commandstats``); at the end the predicted fields held (``HLEN``). ``ttl_s``: the
+    predicted entries' TTL (s)."""
+    sh = TURN_SHAPES[shape]
+    bs, start, grow, cut = (sh["block_size"], sh["start_blocks"], sh["turn_blocks"],
+                            sh["max_blocks"])
     ns = f"bench-{uuid.uuid4().hex[:6]}"
     conn = RedisConnections(url, 5.0)
     index = RedisPrefixIndex(url, ns, connections=conn)
@@ -166,7 +185,9 @@ async def bench_turns(url: str, turns: int = 3000, conversations: int = 32,
     atomic = AtomicRoute(index, load)
     rng = random.Random(seed)
     replicas = [f"replica-{i:02d}" for i in range(n_replicas)]
-    convs = [[rng.getrandbits(63) for _ in range(40)] for _ in range(conversations)]
+    heads = [[rng.getrandbits(63) for _ in range(start)]
+             for _ in range(-(-conversations // sh["share"]))]
+    convs = [list(heads[c // sh["share"]]) for c in range(conversations)]
     stats = redis.asyncio.Redis.from_url(url)
 
     async def inner() -> tuple[int, int, float]:
@@ -180,11 +201,11 @@ async def bench_turns(url: str, turns: int = 3000, conversations: int = 32,
     us0, (scans0, hmgets0, hmget_us0) = await script_usec(stats), await inner()
     for k in range(turns):
         conv = convs[k % conversations]
-        conv.extend(rng.getrandbits(63) for _ in range(3))
-        if len(conv) > 100:
-            del conv[40:]
-        await atomic.route(f"q{k}", len(conv) * BS, list(conv), replicas,
-                           [ttl_s] * n_replicas, block_size=BS, prefill_rate=20000.0,
+        conv.extend(rng.getrandbits(63) for _ in range(grow))
+        if len(conv) > cut:
+            del conv[start:]
+        await atomic.route(f"q{k}", len(conv) * bs, list(conv), replicas,
+                           [ttl_s] * n_replicas, block_size=bs, prefill_rate=20000.0,
                            work_weight=1.0, decode_step_s_per_seq=3e-5,
                            step_token_budget=8192, tie_abs_s=0.002, tie_rel=0.05,
                            u=rng.random())
@@ -200,7 +221,7 @@ async def bench_turns(url: str, turns: int = 3000, conversations: int = 32,
     await index.flush()
     await conn.close()
     return {"turns": turns, "conversations": conversations, "replicas": n_replicas,
-            "ttl_s": ttl_s, "redis_us_per_turn": us / turns, "hscan_calls": scans,
+            "ttl_s": ttl_s, "shape": shape, "redis_us_per_turn": us / turns, "hscan_calls": scans,
             "hmget_calls_per_turn": hmgets / turns, "hmget_us_per_turn": hmget_us / turns,
             "predicted_fields": fields}
 
@@ -889,6 +910,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="prompt lengths of --only lookup")
     ap.add_argument("--replicas", nargs="+", type=int, default=[2, 8, 32, 64],
                     help="candidate counts of --only lookup")
+    ap.add_argument("--turn-shape", choices=sorted(TURN_SHAPES), default="default",
+                    help="the multi-turn replay's conversations (TURN_SHAPES)")
     ap.add_argument("--no-doc", action="store_true")
     ap.add_argument("--suffix", default="",
                     help="appended to the docs/benchmarks.md section headings (another "
@@ -947,7 +970,7 @@ def main(argv: list[str] | None = None) -> int:
             write_benchmark_doc("Redis index: lookup and ingestion" + a.suffix, cmd.strip(), text,
                                 NOTES)
     if a.only in (None, "turns"):
-        row = asyncio.run(bench_turns(a.redis_url))
+        row = asyncio.run(bench_turns(a.redis_url, shape=a.turn_shape))
         print(json.dumps(row), flush=True)
         text = one_row_table(
             ["turns", "conversations", "replicas", "predicted TTL (s)",

@@ -469,7 +469,6 @@ redis.call('SET', heartbeat, 1, 'PX', heartbeat_ttl)
 --    entries get a whole TTL and mark the hash out of order.
 local first = fresh_run[pick] + 1  -- the fresh run holds the exact run
 if first <= nblocks then
-  upto(nblocks)
   local pkey = KEYS[2 * pick]
   local expiry = now + ttls[pick]
   local args = {}
@@ -483,8 +482,8 @@ if first <= nblocks then
     end
   end
   local e = string.format('%d', expiry)
-  for i = first, nblocks do
-    args[#args + 1] = H[i]; args[#args + 1] = e
+  for i = first, nblocks do  -- the blocks before ``first`` are not cut for it
+    args[#args + 1] = hash_at(i); args[#args + 1] = e
     if #args >= 512 then redis.call('HSET', pkey, unpack(args)); args = {} end
   end
   if #args > 0 then redis.call('HSET', pkey, unpack(args)) end
