@@ -420,6 +420,7 @@ BLOCK_FIELD_BYTES = 8
 # hash-max-listpack-value, 64 by default, so Redis keeps the hash a hash table from its
 # start: a listpack's HMGET finds each field by a linear scan).
 TABLE_FIELD = b"~"
+TABLE_VALUE = b"~" * 128  # lua/sweep.lua's TABLE_VALUE
 
 
 def entries_in(hash_length: int) -> int:

@@ -122,6 +122,30 @@ async def test_a_failed_release_after_a_deferred_first_byte_leaves_no_prefill_in
     await t.close()
 
 
+async def test_the_load_hash_is_a_hash_table_from_a_routers_first_heartbeat():
+    """A listpack's fields are found by a scan: the heartbeat makes the load hash a hash
+    table (``TABLE_FIELD``), which the readers pass over."""
+    conn = RedisConnections(REDIS_URL, 2.0)
+    t = RedisLoadTracker(conn, f"test-load-{uuid.uuid4().hex[:8]}")
+    client = conn.client()
+    try:
+        await t.reserve("q", "A", 500)  # starts the heartbeat
+        for _ in range(100):
+            if await client.object("encoding", t.redis_keys.load) == b"hashtable":
+                break
+            await asyncio.sleep(0.02)
+        assert await client.object("encoding", t.redis_keys.load) == b"hashtable"
+        a = await _load(t)
+        assert (a.inflight, a.prefill_tokens) == (1, 500)
+        await t.release("q")
+        a = await _load(t)
+        assert (a.inflight, a.prefill_tokens) == (0, 0)
+    finally:
+        for key in t.group_keys(0):
+            await client.delete(key)
+        await t.close()
+
+
 async def test_release_is_idempotent_and_never_goes_negative(load):
     await load.reserve("q1", "A", 500)
     await load.reserve("q2", "A", 0)  # a lease of no prefill tokens (fully cached)
