@@ -51,6 +51,9 @@ async def index(request):
         import fakeredis
         fake = fakeredis.FakeAsyncRedis()
         idx.conn.client = lambda *timeout: fake  # the fake server stands in for the URL
+    # at wall time still once the servers are up (starting the cluster takes seconds: a
+    # test that writes an entry of a second's TTL then found its hash expired by Redis)
+    clock.advance(time.time() - clock.now())
     yield idx
     await idx.flush()
     await idx.close()
@@ -825,6 +828,31 @@ async def test_the_predicted_run_search_matches_the_walk_under_the_routers_write
         await load.close()
         await index.flush()
         await index.close()
+
+
+async def test_a_router_whose_clock_runs_ahead_sweeps_nothing_another_sees_live():
+    """Found by a helper's fuzzer: a router whose clock ran 0.9 s ahead swept entries of a
+    prompt that another router still saw live, children kept, and the one behind then
+    searched the hash (in order by its clock) and matched all 200 blocks where 1 was held.
+    A sweep now deletes an entry only a second after it expired (lua/sweep.lua
+    SWEEP_SLACK_MS), so clocks that differ by less never see a hole a sweep made."""
+    t0 = time.time() + 3600
+    conn = RedisConnections(REDIS_URL, 2.0)
+    ns = f"t-{uuid.uuid4().hex[:8]}"
+    behind = RedisPrefixIndex(REDIS_URL, ns, clock=ManualClock(t0), connections=conn)
+    ahead = RedisPrefixIndex(REDIS_URL, ns, clock=ManualClock(t0 + 0.9), connections=conn)
+    prompt = list(range(1, 201))
+    try:
+        await behind.record_predicted("B", list(range(10_000, 10_600)), ttl_s=300.0)
+        await behind.record_predicted("B", prompt, ttl_s=0.5)  # live until t0 + 0.5 s
+        for k in range(5):  # each write sweeps 64 fields
+            await ahead.record_predicted("B", [99_999 + k], ttl_s=10.0)
+        assert (await behind.lookup(prompt, ["B"]))["B"] == 200
+        assert (await ahead.lookup(prompt, ["B"]))["B"] == 0
+        assert entries_in(await conn.client().hlen(behind.keys.predicted("B"))) == 805
+    finally:
+        await behind.flush()
+        await behind.close()
 
 
 async def test_a_predicted_run_is_found_in_a_few_reads():

@@ -345,11 +345,13 @@ async def test_a_finished_sweep_pass_pauses_a_second_by_the_routers_clock(redis_
     clock.advance(0.5)
     await write(0.2)  # the first write's entries expired, but the sweep is paused
     assert entries_in(await client.hlen(key)) == 16
-    clock.advance(0.6)
-    await write(0.2)  # 1.1 s after the pass: a new pass removes both expired writes
+    clock.advance(1.3)
+    # 1.8 s after the pass: a new pass removes both expired writes (an entry goes a second
+    # after it expired: lua/sweep.lua SWEEP_SLACK_MS)
+    await write(0.2)
     assert entries_in(await client.hlen(key)) == 8
     assert await client.get(key + ":cursor") == b"0"  # an HSCAN cursor, as before
-    clock.advance(0.5)
+    clock.advance(1.5)
     await client.set(key + ":swept", int(clock.now() * 1000) + 600_000)
     await write(0.2)  # a mark 10 minutes ahead is due at once
     assert entries_in(await client.hlen(key)) == 8

@@ -144,11 +144,9 @@ local function predicted_runs(pkey, x, e1, half)
   local val, live_lo, live_hi, fresh = {[x + 1] = e1}, x + 1, nblocks + 1, x
   if e1 > half then  -- the fresh run first; its probes bound the held run's search
     fresh = run_end(pkey, x + 1, nblocks + 1, half, function(k, e)
-      val[k] = e
-      if e and e > now then
-        if k > live_lo then live_lo = k end
-      elseif k < live_hi then
-        live_hi = k
+      val[k] = e  -- (the probes come in order: the run ends at the first not held)
+      if k < live_hi then
+        if e and e > now then live_lo = k else live_hi = k end
       end
     end)
   end

@@ -11,6 +11,12 @@
 -- pause. Without the pause a small hash (a listpack: up to hash-max-listpack-entries
 -- fields, 128 by default), which HSCAN returns whole, was read whole on every write.
 local SWEEP_PAUSE_MS, SWEEP_SKEW_MS = 1000, 10000
+-- A predicted entry is swept only once it has been expired for SWEEP_SLACK_MS by the
+-- sweeping router's clock: a router whose clock is behind by less still sees it live, and
+-- a hash in order stays in order by its clock too (a sweep of a parent that a router behind
+-- sees live, its child kept, let that router's search count blocks no longer held). As
+-- roots.lua's ROOTS_SLACK_MS.
+local SWEEP_SLACK_MS = 1000
 -- Every hash of the index (a replica's exact and predicted hashes, the root holders) is made
 -- with one field more, TABLE_FIELD (a name of 1 byte: a block's is 8), whose value is longer
 -- than hash-max-listpack-value (64 bytes by default): Redis then keeps the hash as a hash
@@ -50,9 +56,9 @@ end
 -- route.lua writes lower than it was (only in a hash out of order: in order, an entry past
 -- the fresh run expires no later than the run's first block that is not fresh, at most
 -- half a TTL from now) can only put out of order children that expire before the mark.
--- (Routers' clocks differ: a sweep by a router whose clock runs ahead may delete a parent
--- that another still sees live; that router then matches what it would have matched
--- before the sweep, by its own clock.)
+-- (Routers' clocks differ: a sweep deletes an entry only SWEEP_SLACK_MS after it expired,
+-- so a router whose clock is behind by less never sees a hole that a sweep made; one
+-- further behind may count, until its clock catches up, blocks whose entries were swept.)
 local function unordered_until(v)  -- v: TABLE_FIELD's value
   return number_in(v)
 end
@@ -73,7 +79,7 @@ local function sweep(pkey, now, count, keep)
     local field, v = res[2][k], res[2][k + 1]
     local kept
     if field == TABLE_FIELD then kept = v
-    elseif keep then kept = keep(field, v) else kept = tonumber(v) > now and v end
+    elseif keep then kept = keep(field, v) else kept = tonumber(v) > now - SWEEP_SLACK_MS and v end
     if not kept then
       redis.call('HDEL', pkey, field)
     elseif kept ~= v then
