@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable
 
 import pytest
 
@@ -316,14 +317,19 @@ def _prompts(rng, count: int, p_turn: float, turn_blocks: int, fresh) -> list[li
     return prompts
 
 
+def _leading_run(prompt: list[int], held: Callable[[int], bool]) -> int:
+    """How many leading blocks of ``prompt`` (block hashes) satisfy ``held``."""
+    for i, h in enumerate(prompt):
+        if not held(h):
+            return i
+    return len(prompt)
+
+
 def _fresh_run(memory: MemoryPrefixIndex, replica: str, prompt: list[int], half: float) -> int:
     """The leading blocks of ``prompt`` that ``replica`` holds exactly or by a predicted
     entry that lives past ``half`` (s): those lua/route.lua writes no new entry for."""
-    for i, h in enumerate(prompt):
-        if not (memory._exact.get(h, {}).get(replica, 0) > 0
-                or memory._predicted.get(h, {}).get(replica, 0.0) > half):
-            return i
-    return len(prompt)
+    return _leading_run(prompt, lambda h: memory._exact.get(h, {}).get(replica, 0) > 0
+                        or memory._predicted.get(h, {}).get(replica, 0.0) > half)
 
 
 @pytest.mark.parametrize("backend", ["redis", "fakeredis"])
@@ -739,10 +745,7 @@ async def _raw_holdings(index: RedisPrefixIndex, replica: str
 def _held_run(prompt: list[int], exact: set[int], predicted: dict[int, int], now_ms: int) -> int:
     """The definition of a match: the leading blocks held exactly or by a predicted entry
     that expires after ``now_ms``."""
-    for i, h in enumerate(prompt):
-        if not (h in exact or predicted.get(h, 0) > now_ms):
-            return i
-    return len(prompt)
+    return _leading_run(prompt, lambda h: h in exact or predicted.get(h, 0) > now_ms)
 
 
 @pytest.mark.parametrize("backend", ["redis", "fakeredis"])

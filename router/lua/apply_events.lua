@@ -42,11 +42,8 @@ local function load(list)
   for _, h in ipairs(list) do
     if cache[h] == nil then need[#need + 1] = h; cache[h] = false end
   end
-  for a = 1, #need, 1024 do  -- unpack takes at most about 8,000 values
-    local b = math.min(a + 1023, #need)
-    local vals = redis.call('HMGET', xkey, unpack(need, a, b))
-    for m = a, b do cache[need[m]] = parse_entry(vals[m - a + 1]) end
-  end
+  local vals = hmget_all(xkey, need)  -- sweep.lua
+  for m = 1, #need do cache[need[m]] = parse_entry(vals[m]) end
 end
 local function put(h, e)
   cache[h] = e
@@ -110,9 +107,7 @@ while i <= #ARGV do
     reset(); purged = true; i = i + 2
   else
     local packed = ARGV[i + 1]
-    local hs, first = {}, 1
-    if op == 's' then first = 9 end
-    for k = first, #packed - 7, 8 do hs[#hs + 1] = string.sub(packed, k, k + 7) end
+    local hs = unpack_hashes(packed, op == 's' and 9 or 1)  -- sweep.lua
     if op == 'r' then
       load(hs)
       local parents = {}

@@ -8,26 +8,18 @@
 -- expires later than its parent; one out of order: those that do expire before its mark).
 --! include sweep.lua
 
-local key, packed = KEYS[1], ARGV[1]
-local hs = {}
-for i = 1, #packed, 8 do hs[#hs + 1] = string.sub(packed, i, i + 7) end
-local latest, gone = 0, 0
--- in chunks: unpack takes at most about 8,000 values
-for c = 1, #hs, 1024 do
-  local part = {unpack(hs, c, math.min(c + 1023, #hs))}
-  local v = redis.call('HMGET', key, unpack(part))
-  local del = {}
-  for k = 1, #part do
-    local e = tonumber(v[k])
-    if e then
-      del[#del + 1] = part[k]
-      if e > latest then latest = e end
-    end
-  end
-  if #del > 0 then
-    redis.call('HDEL', key, unpack(del))
-    gone = gone + #del
+local key = KEYS[1]
+local hs = unpack_hashes(ARGV[1])  -- sweep.lua
+local v = hmget_all(key, hs)  -- sweep.lua
+local latest, gone, del = 0, 0, {}
+for k = 1, #hs do
+  local e = tonumber(v[k])
+  if e then
+    del[#del + 1] = hs[k]; gone = gone + 1
+    if e > latest then latest = e end
+    if #del >= 1024 then redis.call('HDEL', key, unpack(del)); del = {} end
   end
 end
+if #del > 0 then redis.call('HDEL', key, unpack(del)) end
 if latest > 0 then mark_unordered(key, latest) end
 return gone

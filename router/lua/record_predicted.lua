@@ -12,16 +12,9 @@
 --! include roots.lua
 
 local key, expiry, now = KEYS[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local hs = {}
-local packed = ARGV[4]
-for i = 1, #packed, 8 do hs[#hs + 1] = string.sub(packed, i, i + 7) end
+local hs = unpack_hashes(ARGV[4])  -- sweep.lua
 if #hs > 0 then
-  -- read in chunks: unpack takes at most about 8,000 values (a 128k-token prompt at block 16)
-  local old = {}
-  for c = 1, #hs, 1024 do
-    local part = redis.call('HMGET', key, unpack(hs, c, math.min(c + 1023, #hs)))
-    for k = 1, #part do old[c + k - 1] = part[k] end
-  end
+  local old = hmget_all(key, hs)  -- sweep.lua
   local args = {}
   as_table(key)  -- sweep.lua
   for k = 1, #hs do

@@ -153,6 +153,11 @@ local function predicted_runs(pkey, x, e1, half)
   local matched = run_end(pkey, math.max(live_lo, fresh), live_hi, now)
   return matched, fresh, fresh > x and val[fresh]
 end
+-- a predicted entry's value ``v``'s expiry (ms) if later than ``half``, else false
+local function past_half(v, half)
+  local e = tonumber(v)
+  return e and e > half and e or false
+end
 local function held_prefix(xkey, pkey, half)
   local i, chunk, exact, fresh, bound = 0, 1, nil, nil, false
   local first, closed, pfirst = nil, false, nil
@@ -215,17 +220,11 @@ local function held_prefix(xkey, pkey, half)
       e = e and tonumber(e)
       if not fresh and not (ex[m] or (e and e > half)) then
         fresh = i + m - 1
-        if m > 1 then
-          bound = tonumber(pr[m - 1]) or false
-          if bound and bound <= half then bound = false end
-        else
-          bound = carry
-        end
+        if m > 1 then bound = past_half(pr[m - 1], half) else bound = carry end
       end
       if not (ex[m] or (e and e > now)) then return i + m - 1, fresh, bound end
     end
-    carry = tonumber(pr[n]) or false
-    if carry and carry <= half then carry = false end
+    carry = past_half(pr[n], half)
     i = last
     if chunk == 1 then chunk = 16 else chunk = 64 end
   end

@@ -1,6 +1,6 @@
 -- The upkeep of a predicted hash, its expiry and the amortised sweep of its expired entries
 -- (the sweep also serves the root holders, roots.lua), shared by
--- route.lua, record_predicted.lua and apply_events.lua (router/redis_keys.py load_lua puts
+-- route.lua, record_predicted.lua, forget_predicted.lua and apply_events.lua (router/redis_keys.py load_lua puts
 -- this file where a script says "--! include sweep.lua"). Continue the pass whose cursor
 -- is kept beside the hash (<pkey>:cursor), ``count`` fields, deleting the entries expired
 -- at ``now`` (the router's time, ms). A
@@ -39,6 +39,25 @@ local function with_number(n)
   if n <= 0 then return TABLE_VALUE end
   local d = string.format('%d', n)
   return d .. string.rep('~', #TABLE_VALUE - #d)
+end
+
+-- The block hashes packed 8 bytes each in ``packed`` from its byte ``from`` (default 1)
+-- (router/redis_keys.py pack_hashes), as a list.
+local function unpack_hashes(packed, from)
+  local hs = {}
+  for k = from or 1, #packed - 7, 8 do hs[#hs + 1] = string.sub(packed, k, k + 7) end
+  return hs
+end
+-- HMGET of every field of the list ``fields`` of hash ``key`` in chunks of 1,024 (unpack
+-- takes at most about 8,000 values: a 128k-token prompt has 8,192 blocks of 16 tokens);
+-- the values in the fields' order (false: no field).
+local function hmget_all(key, fields)
+  local vals = {}
+  for a = 1, #fields, 1024 do
+    local part = redis.call('HMGET', key, unpack(fields, a, math.min(a + 1023, #fields)))
+    for k = 1, #part do vals[a + k - 1] = part[k] end
+  end
+  return vals
 end
 
 -- A predicted hash's order. While no live entry expires later than its block's parent
