@@ -312,8 +312,9 @@ class Settings(BaseSettings):
     tie_tolerance_s: float = Field(
         0.002, ge=0, description="prefix_aware: costs within this (or within 5 %) of the "
                                  "lowest are near-ties, which go to the replica with the most "
-                                 "cached tokens, then the fewest requests in flight, then the "
-                                 "oldest last assignment.")
+                                 "cached tokens, then the lowest expected time to first token, "
+                                 "then the fewest requests in flight, then the oldest last "
+                                 "assignment.")
     shadow_policies: list[Literal["prefix_aware", "round_robin", "random", "least_loaded"]] = \
         Field(["round_robin", "least_loaded"],
               description="Policies evaluated beside the live one on sampled decisions, "

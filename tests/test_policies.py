@@ -256,6 +256,39 @@ def test_unknown_policy_name_is_refused():
         make_policy("fastest")
 
 
+def near_tie_with_a_queue(queued: int) -> tuple[RouteRequest, list[Candidate]]:
+    """The slowest requests of the simulated RAG workload at 8 replicas (docs/benchmarks.md,
+    "Near-ties by the first token"): a 3,008-token prompt whose first 400 tokens both
+    replicas hold; "a" has 4 requests in flight and ``queued`` prefill tokens queued, "b"
+    5 in flight and none queued."""
+    r = RouteRequest(3008, 16, 188, expected_output_tokens=200)
+    return r, [Candidate("a", matched_blocks=25,
+                         load=ReplicaLoad(inflight=4, prefill_tokens=queued),
+                         prefill_tokens_per_s=38000.0),
+               Candidate("b", matched_blocks=25, load=ReplicaLoad(inflight=5),
+                         prefill_tokens_per_s=38000.0)]
+
+
+def test_near_ties_holding_as_much_go_to_the_soonest_first_token():
+    """Of two near-ties (costs within 5 %) holding as much of the prompt, the one with fewer
+    requests in flight ("a": each of the fewer decodes bears the new prefill, which levels
+    the sum of seconds) has a prefill queued ahead: the request goes where its own first
+    token comes sooner ("b"), not to the fewest in flight. Not a near-tie, the cost
+    decides."""
+    p = PrefixAware(random.Random(0))
+    r, cands = near_tie_with_a_queue(2000)
+    a, b = (p.cost_s(r, c) for c in cands)
+    assert a < b <= a * (1 + p.tie_rel)  # a near-tie, "a" the cheaper
+    assert p.expected_ttft_s(r, cands[1]) < p.expected_ttft_s(r, cands[0])
+    d = p.choose(r, cands)
+    assert d.replica == "b"
+    assert d.expected_ttft_s == {c.replica: p.expected_ttft_s(r, c) for c in cands}
+    r, cands = near_tie_with_a_queue(1000)
+    a, b = (p.cost_s(r, c) for c in cands)
+    assert a * (1 + p.tie_rel) < b  # no tie: the queue is short enough
+    assert p.choose(r, cands).replica == "a"
+
+
 def test_a_negative_shared_count_does_not_draw_every_request():
     """Seen in CI: a replica's shared in-flight count at -8 made "fewest in flight" send
     every new conversation there. Counts below zero count as zero in the tie-break."""

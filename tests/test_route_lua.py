@@ -92,6 +92,38 @@ async def test_lua_route_chooses_as_the_python_policy(redis_pair):
         await load.release(f"req{trial}")
 
 
+async def test_lua_breaks_a_near_tie_by_the_soonest_first_token_as_the_python_policy(
+        redis_pair):
+    """tests/test_policies.py's near-tie (``near_tie_with_a_queue``) through the script: of
+    two replicas holding as much of the prompt at near-equal cost, the one with a prefill
+    queued and fewer requests in flight loses to the one whose first token comes sooner,
+    as in the Python policy; with a shorter queue, no tie, the cheaper wins in both."""
+    from tests.test_policies import near_tie_with_a_queue
+    index, load, clock = redis_pair
+    prompt = [8 * 10**8 + i for i in range(188)]
+    for trial, queued in enumerate([2000, 1000]):
+        r, cands = near_tie_with_a_queue(queued)
+        replicas = [f"{c.replica}{trial}" for c in cands]
+        for c, name in zip(cands, replicas):
+            await index.apply_events(name, [KVEvent("stored", prompt[:c.matched_blocks], None)])
+            for i in range(c.load.inflight):
+                await load.reserve(f"nt{trial}-{name}-{i}", name,
+                                   c.load.prefill_tokens if i == 0 else 0)
+        policy = PrefixAware(random.Random())
+        policy.rng.random = lambda: 0.0
+        expected = policy.choose(r, cands).replica
+        chosen, _ = await AtomicRoute(index, load).route(
+            f"nt{trial}", r.prompt_tokens, prompt, replicas, [15.0] * 2,
+            block_size=r.block_size, prefill_rate=38000.0, work_weight=policy.work_weight,
+            decode_step_s_per_seq=cands[0].decode_step_s_per_seq,
+            step_token_budget=policy.step_token_budget, tie_abs_s=policy.tie_abs_s,
+            tie_rel=policy.tie_rel, u=0.0, running_weight=policy.running_weight,
+            interference=policy.interference,
+            expected_output_tokens=r.expected_output_tokens)
+        assert chosen == expected + str(trial)
+        assert expected == ("b" if queued == 2000 else "a")
+
+
 async def test_lua_charges_kv_that_will_not_fit_as_the_python_policy(redis_pair):
     """The KV term (``PrefixAware.kv_overflow_tokens``): engines with little free KV, some
     of unknown state; the script and the policy choose alike, and the term changes the

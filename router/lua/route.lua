@@ -326,7 +326,7 @@ if old then
 end
 
 --! include placements.lua
-local cost, cached, last, inflight, placed = {}, {}, {}, {}, {}
+local cost, cached, last, inflight, placed, ttft = {}, {}, {}, {}, {}, {}
 local best = nil
 local total = 0
 -- a new prefix (no candidate holds its first block)
@@ -383,7 +383,8 @@ for j = 1, nc do
   local steps = math.ceil(work / budget)
   local nr = inflight[j]
   local m = expected[j]
-  cost[j] = work / rate + steps * dstep * nr + (ww + running_weight * m) * unc / rate
+  ttft[j] = work / rate + steps * dstep * nr  -- PrefixAware.expected_ttft_s
+  cost[j] = ttft[j] + (ww + running_weight * m) * unc / rate
             + interference * 2 * dstep * out_tokens * m
   -- its KV that will not fit (PrefixAware.kv_overflow_tokens)
   if kv_free[j] >= 0 then
@@ -406,31 +407,38 @@ for j = 1, nc do
   if within[j] and (not best or cost[j] < best) then best = cost[j] end
 end
 
--- 3. near-ties: most cached, then the fewest in flight, then the oldest last assignment
---    (within 1 ms), then u over candidate order
+-- 3. near-ties: most cached, then the soonest first token, then the fewest in flight, then
+--    the oldest last assignment (within 1 ms), then u over candidate order
 local bound = best + math.max(tie_abs, tie_rel * best)
 local most = -1
 for j = 1, nc do
   if within[j] and cost[j] <= bound and cached[j] > most then most = cached[j] end
 end
-local fewest = nil
+local soonest = nil
 for j = 1, nc do
   if within[j] and cost[j] <= bound and cached[j] == most
+      and (not soonest or ttft[j] < soonest) then
+    soonest = ttft[j]
+  end
+end
+local fewest = nil
+for j = 1, nc do
+  if within[j] and cost[j] <= bound and cached[j] == most and ttft[j] == soonest
       and (not fewest or inflight[j] < fewest) then
     fewest = inflight[j]
   end
 end
 local oldest = nil
 for j = 1, nc do
-  if within[j] and cost[j] <= bound and cached[j] == most and inflight[j] == fewest
-      and (not oldest or last[j] < oldest) then
+  if within[j] and cost[j] <= bound and cached[j] == most and ttft[j] == soonest
+      and inflight[j] == fewest and (not oldest or last[j] < oldest) then
     oldest = last[j]
   end
 end
 local finalists = {}
 for j = 1, nc do
-  if within[j] and cost[j] <= bound and cached[j] == most and inflight[j] == fewest
-      and last[j] <= oldest + 1 then
+  if within[j] and cost[j] <= bound and cached[j] == most and ttft[j] == soonest
+      and inflight[j] == fewest and last[j] <= oldest + 1 then
     finalists[#finalists + 1] = j
   end
 end

@@ -97,9 +97,12 @@ class PrefixAware(Policy):
     only).
 
     Candidates within ``tie_rel`` (relative) or ``tie_abs_s`` of the best cost are near-ties:
-    among them the replica with the most cached tokens, then the fewest requests in flight,
-    then the one whose last assignment is oldest (a rotating tie-break that spreads cold
-    starts when nothing is in flight, docs/fault-cases.md 1.4), then chance.
+    among them the replica with the most cached tokens, then the lowest ``ttft_r`` (the
+    request's own expected first token: of two near-ties holding as much of the prompt, the
+    one with fewer requests in flight may have a prefill queued ahead of it), then the fewest
+    requests in flight, then the one whose last assignment is oldest (a rotating tie-break
+    that spreads cold starts when nothing is in flight, docs/fault-cases.md 1.4), then
+    chance.
 
     ``load_factor`` (off by default: ``None``) is an operator's explicit cap, consistent
     hashing with bounded loads (Mirrokni et al. 2018, as KubeAI's CHWBL applies it): a
@@ -211,15 +214,18 @@ class PrefixAware(Policy):
                   if max(c.load.inflight, 0) + 1 <= bound] or list(candidates)
         expected = self.expected_inflight(request, candidates)
         costs = {c.replica: self.cost_s(request, c, expected[c.replica]) for c in candidates}
+        ttft = {c.replica: self.expected_ttft_s(request, c) for c in candidates}
         predicted = self._predicted(request, candidates)
         pool = within
         best = min(costs[c.replica] for c in pool)
         tie_bound = best + max(self.tie_abs_s, self.tie_rel * best)
         ties = [c for c in pool if costs[c.replica] <= tie_bound]
-        # Among near-ties: the most cached tokens, then the fewest in flight, then the
-        # longest since an assignment, then chance.
+        # Among near-ties: the most cached tokens, then the soonest first token, then the
+        # fewest in flight, then the longest since an assignment, then chance.
         most_cached = max(predicted[c.replica] for c in ties)
         ties = [c for c in ties if predicted[c.replica] == most_cached]
+        soonest = min(ttft[c.replica] for c in ties)
+        ties = [c for c in ties if ttft[c.replica] == soonest]
         # counts below zero (a shared count that lost an increment) count as zero: never
         # a reason to send everything to one replica
         fewest = min(max(c.load.inflight, 0) for c in ties)
@@ -232,5 +238,4 @@ class PrefixAware(Policy):
                       key=lambda c: (costs[c.replica], c.load.last_assigned_s))
         ranked = [pick.replica] + [c.replica for c in rest]
         reason = "cache" if predicted[pick.replica] > 0 else "load"
-        return Decision(ranked, reason, predicted,
-                        {c.replica: self.expected_ttft_s(request, c) for c in candidates})
+        return Decision(ranked, reason, predicted, ttft)
