@@ -1,10 +1,10 @@
 -- The upkeep of a predicted hash, its expiry and the amortised sweep of its expired entries
--- (the sweep also serves the root holders, roots.lua), shared by
--- route.lua, record_predicted.lua, forget_predicted.lua and apply_events.lua (router/redis_keys.py load_lua puts
--- this file where a script says "--! include sweep.lua"). Continue the pass whose cursor
--- is kept beside the hash (<pkey>:cursor), ``count`` fields, deleting the entries expired
--- at ``now`` (the router's time, ms). A
--- finished pass leaves in <pkey>:swept the time at which the next may start; the cursor
+-- (the sweep also serves the root holders, roots.lua), shared by route.lua,
+-- record_predicted.lua, forget_predicted.lua and apply_events.lua (router/redis_keys.py
+-- load_lua puts this file where a script says "--! include sweep.lua"). Continue the pass
+-- whose cursor is kept beside the hash (<pkey>:cursor), ``count`` fields, deleting the
+-- entries expired at ``now`` (the router's time, ms). A finished pass leaves in
+-- <pkey>:swept the time at which the next may start; the cursor
 -- itself stays an HSCAN cursor, so a router of an earlier version sharing the namespace
 -- reads it as before. A mark more than SWEEP_SKEW_MS ahead (written by a router whose clock
 -- runs far ahead) is due at once; within it, routers whose clocks differ by less keep the
