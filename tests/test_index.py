@@ -204,6 +204,23 @@ async def test_forget_predicted_drops_only_that_replicas_predictions(index):
     assert await index.lookup([1, 2, 3], ["A"]) == {"A": 3}
 
 
+async def test_more_blocks_than_one_read_takes_are_recorded_stored_and_forgotten(index):
+    """A 40k-token prompt at 16 tokens a block: 2,500 blocks, read by the scripts in
+    ``HMGET``s of 1,024 (lua/sweep.lua ``hmget_all``; Lua's ``unpack`` takes at most about
+    8,000 values). Every chunk is recorded, stored, removed and forgotten."""
+    prompt = list(range(10**6, 10**6 + 2500))
+    await index.record_predicted("A", prompt, ttl_s=60)
+    await index.apply_events("B", [stored(*prompt, parent=None)])
+    assert await index.lookup(prompt, ["A", "B"]) == {"A": 2500, "B": 2500}
+    await index.forget_predicted("A", prompt[500:2000])
+    await index.apply_events("B", [removed(*prompt[2200:])])
+    assert await index.lookup(prompt, ["A", "B"]) == {"A": 500, "B": 2200}
+    assert (await index.stats()).entries == 1000 + 2200
+    await index.forget_predicted("A", prompt[500:2000])  # idempotent
+    await index.record_predicted("A", prompt[:2000], ttl_s=60)  # and predictable again
+    assert await index.lookup(prompt, ["A"]) == {"A": 2500}
+
+
 async def test_stats_count_entries(index):
     await index.apply_events("A", [stored(1, 2)])
     await index.record_predicted("B", [1], ttl_s=60)
