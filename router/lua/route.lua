@@ -410,38 +410,29 @@ end
 -- 3. near-ties: most cached, then the soonest first token, then the fewest in flight, then
 --    the oldest last assignment (within 1 ms), then u over candidate order
 local bound = best + math.max(tie_abs, tie_rel * best)
-local most = -1
-for j = 1, nc do
-  if within[j] and cost[j] <= bound and cached[j] > most then most = cached[j] end
-end
-local soonest = nil
-for j = 1, nc do
-  if within[j] and cost[j] <= bound and cached[j] == most
-      and (not soonest or ttft[j] < soonest) then
-    soonest = ttft[j]
+-- keeps, in order, the indices of ``ties`` whose ``sign * key[j]`` is within ``slack`` of
+-- the lowest among them (sign -1: the highest key)
+local function narrow(ties, key, sign, slack)
+  local low = nil
+  for i = 1, #ties do
+    local v = sign * key[ties[i]]
+    if not low or v < low then low = v end
   end
-end
-local fewest = nil
-for j = 1, nc do
-  if within[j] and cost[j] <= bound and cached[j] == most and ttft[j] == soonest
-      and (not fewest or inflight[j] < fewest) then
-    fewest = inflight[j]
+  local n = 0
+  for i = 1, #ties do
+    local j = ties[i]
+    if sign * key[j] <= low + slack then n = n + 1; ties[n] = j end
   end
-end
-local oldest = nil
-for j = 1, nc do
-  if within[j] and cost[j] <= bound and cached[j] == most and ttft[j] == soonest
-      and inflight[j] == fewest and (not oldest or last[j] < oldest) then
-    oldest = last[j]
-  end
+  for i = #ties, n + 1, -1 do ties[i] = nil end
 end
 local finalists = {}
 for j = 1, nc do
-  if within[j] and cost[j] <= bound and cached[j] == most and ttft[j] == soonest
-      and inflight[j] == fewest and last[j] <= oldest + 1 then
-    finalists[#finalists + 1] = j
-  end
+  if within[j] and cost[j] <= bound then finalists[#finalists + 1] = j end
 end
+narrow(finalists, cached, -1, 0)
+narrow(finalists, ttft, 1, 0)
+narrow(finalists, inflight, 1, 0)
+narrow(finalists, last, 1, 1)
 local pick = finalists[math.floor(u * #finalists) + 1]
 local chosen = cands[pick]
 
