@@ -54,6 +54,42 @@ async def test_deeply_nested_json_is_a_400(ingress, path, depth):
     assert err.value.status == 400 and "nested" in err.value.body()["error"]["message"]
 
 
+LONE_SURROGATES = [  # (path, body, the field named in the 400's param)
+    (CHAT_PATH, b'{"model": "m", "stop": ["ok", "\\ud800"], "messages": '
+                b'[{"role": "user", "content": "hi"}]}', "body.stop.1"),
+    (CHAT_PATH, b'{"model": "m", "messages": [{"role": "user", "content": '
+                b'[{"type": "text", "text": "a\\udfffb"}]}]}', "body.messages.0.content.0.text"),
+    (COMPLETIONS_PATH, b'{"model": "m", "prompt": "x", "stop": "\\udc00"}', "body.stop"),
+    (COMPLETIONS_PATH, b'{"model": "m", "prompt": "x", "\\ud83d": 1}', "body.\ud83d"),
+]
+
+
+@pytest.mark.parametrize("path,raw,param", LONE_SURROGATES)
+async def test_a_lone_surrogate_anywhere_in_the_body_is_a_400_naming_its_field(
+        ingress, path, raw, param):
+    """Found by a break test: a lone surrogate in ``stop`` was forwarded, vLLM answered a
+    500 with an empty message, and the router retried it on a second replica (both
+    replicas' circuit breakers counting a failure); in a message's content vLLM's 400
+    carried the tokenizer binding's type error. It is refused before routing."""
+    with pytest.raises(OpenAIError) as err:
+        await ingress.prepare(path, raw)
+    assert err.value.status == 400
+    assert err.value.body()["error"]["param"] == param
+    assert "lone UTF-16 surrogate" in err.value.body()["error"]["message"]
+
+
+async def test_escaped_surrogate_pairs_and_other_lenient_json_are_accepted(model_dir):
+    """A surrogate pair spelled in escapes is one character (msgspec decodes it); a body
+    only ``json.loads`` accepts (a byte order mark, NaN) is still read, and checked."""
+    # an ingress of its own: the module's would keep this loop's last render turn
+    ingress = IngressCore(Settings(model=str(model_dir)), engine_handle=None)
+    for raw in (b'{"model": "m", "prompt": "smile \\ud83d\\ude00"}',
+                b'\xef\xbb\xbf{"model": "m", "prompt": "with a BOM"}',
+                b'{"model": "m", "prompt": "x", "temperature": NaN}'):
+        req = await ingress.prepare(COMPLETIONS_PATH, raw)
+        assert req.prompt_tokens > 0
+
+
 async def test_bodies_beyond_the_tokenize_limit_are_routed_by_load(model_dir):
     """Found by a break test: a 20 MB prompt was tokenized for 25 s before the engine
     refused it, holding up every other request. Beyond ``route_tokenize_max_bytes`` the

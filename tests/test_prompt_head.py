@@ -17,6 +17,7 @@ from router.prompt.render import CHAT_PATH, COMPLETIONS_PATH
 from router.routing.core import route_request
 from router.serve import state
 from router.routing.replica import ReplicaInfo
+from router.serve.errors import OpenAIError
 from router.serve.ingress import IngressCore
 from tests.conftest import REDIS_URL, make_text
 
@@ -246,16 +247,32 @@ def test_the_cgroup_cpu_limit_is_read_from_cpu_max(tmp_path):
 
 
 async def test_text_the_tokenizer_refuses_past_a_held_head_is_routed_by_load(
-        model_dir, replicas):
+        model_dir, replicas, monkeypatch):
     """Found by a break test: a lone surrogate after the head of a prompt whose head a
-    replica held raised TypeError while the rest was encoded (a 500). It is routed by load,
-    as when rendering fails, and the engine answers with its own 400."""
+    replica held raised TypeError while the rest was encoded (a 500). Such text is now
+    refused with the body (``json_object``); text the tokenizer refuses past a held head
+    for any other reason is routed by load, as when rendering fails, and the engine
+    answers."""
     settings = Settings(model=str(model_dir), index_namespace=f"head-{uuid.uuid4().hex[:6]}")
     ingress = IngressCore(settings, engine_handle=None)
-    doc = make_text(20_000, "surrogate")
+    doc = make_text(20_000, "refused")
     clean = await ingress.prepare(COMPLETIONS_PATH, _body(COMPLETIONS_PATH, doc, "?"))
     await state.make_index(settings).record_predicted("replica-a", clean.block_hashes, 60.0)
     raw = ('{"model": "m", "prompt": "%s\\ud800 %s"}' % (doc[:30_000], doc[30_000:])).encode()
+    with pytest.raises(OpenAIError) as err:
+        await ingress.prepare(COMPLETIONS_PATH, raw)
+    assert err.value.status == 400 and err.value.body()["error"]["param"] == "body.prompt"
+
+    segments = ingress.renderer.segments
+    encode = segments._encode_chunks
+
+    def refuse_the_rest(chunks):  # what the tokenizer binding raised for the surrogate
+        if any("refused-rest" in c for c in chunks):
+            raise TypeError("TextEncodeInput must be Union[TextInputSequence, ...]")
+        return encode(chunks)
+
+    monkeypatch.setattr(segments, "_encode_chunks", refuse_the_rest)
+    raw = _body(COMPLETIONS_PATH, doc[:30_000] + " refused-rest " + doc[30_000:], "?")
     req = await routed(ingress, COMPLETIONS_PATH, raw)
     assert req.block_hashes == [] and req.prompt_tokens > 0
     assert req.routing_reason == "load"

@@ -27,6 +27,7 @@ import contextlib
 import contextvars
 import json
 import os
+import re
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -78,6 +79,7 @@ _RENDER_THREADS_AUTO_MAX = 4
 _RENDER_THREADS_MIN_CORES = 4
 
 _JSON_DECODER = msgspec.json.Decoder()
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def json_object(raw: bytes) -> dict:
@@ -85,17 +87,54 @@ def json_object(raw: bytes) -> dict:
 
     Raises:
         OpenAIError: 400 (``invalid_body``) for a body that is not JSON, is nested too
-            deeply, or is not an object.
+            deeply, holds a lone surrogate (``lone_surrogate_at``), or is not an object.
     """
     try:
-        body = decode_json_body(raw)
+        body, strict = _decode_json(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise invalid_body(f"request body is not valid JSON: {exc}") from None
     except RecursionError:
         raise invalid_body("request body is nested too deeply") from None
+    # only json.loads lets a lone surrogate through (msgspec refuses it): checked only then
+    where = None if strict else lone_surrogate_at(body)
+    if where is not None:
+        loc, char = where
+        raise invalid_body(f"request body holds a lone UTF-16 surrogate ({char!r}) at "
+                           f"{loc or 'its top level'}: it is not Unicode text, and no engine "
+                           "can encode it", loc or None)
     if not isinstance(body, dict):
         raise invalid_body("request body must be a JSON object")
     return body
+
+
+def lone_surrogate_at(value) -> tuple[str, str] | None:
+    """Where a JSON value holds a lone UTF-16 surrogate (U+D800 to U+DFFF, which JSON's
+    ``\\uD800`` escapes can spell but UTF-8 cannot encode) in a string or an object's key:
+    ``(dotted path, the character as a 1-character string)`` of the first one found, the
+    path in ``invalid_body``'s form (``messages.0.content``; a key's own path for a key),
+    or None. Walks lists and objects without recursion. Found by a break test: forwarded,
+    one in a message's content got vLLM's 400 with the tokenizer binding's type error as
+    its message, and one in ``stop`` a 500 with an empty message (retried on a second
+    replica, and counted against both in the circuit breakers); the router refuses it
+    first, naming the field."""
+    stack = [("", value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            bad = _SURROGATE.search(v)
+            if bad:
+                return path, bad.group()
+        elif isinstance(v, list):
+            stack.extend((f"{path}.{i}" if path else str(i), x)
+                         for i, x in reversed(list(enumerate(v))))
+        elif isinstance(v, dict):
+            for k, x in reversed(list(v.items())):
+                sub = f"{path}.{k}" if path else str(k)
+                bad = _SURROGATE.search(k)
+                if bad:
+                    return sub, bad.group()
+                stack.append((sub, x))
+    return None
 
 
 def text_chars(value) -> int:
@@ -148,10 +187,16 @@ def decode_json_body(raw: bytes):
     Raises:
         ValueError / UnicodeDecodeError / RecursionError: as ``json.loads``.
     """
+    return _decode_json(raw)[0]
+
+
+def _decode_json(raw: bytes) -> tuple[object, bool]:
+    """``decode_json_body``'s value, and whether msgspec's strict decoder gave it (False:
+    ``json.loads`` did, for a body msgspec refuses)."""
     try:
-        return _JSON_DECODER.decode(raw)
+        return _JSON_DECODER.decode(raw), True
     except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
-        return json.loads(raw)
+        return json.loads(raw), False
 
 
 def cgroup_cpu_limit(path: str = "/sys/fs/cgroup/cpu.max") -> float | None:
@@ -367,7 +412,7 @@ class IngressCore:
             overrides["priority"] = priority
         if overrides:
             body.update(overrides)
-            raw = json.dumps(body).encode()  # ASCII escapes keep even lone surrogates intact
+            raw = json.dumps(body).encode()  # ASCII escapes: any text survives
         if len(raw) > self.settings.route_tokenize_max_bytes:
             info = PromptInfo(cacheable=False, reason="too long to tokenize for routing")
         else:
