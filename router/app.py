@@ -39,6 +39,12 @@ logger = get_logger(__name__)
 fastapi_app = build_fastapi_app()
 
 
+def _enum_name(value) -> str:
+    """A Serve status's name as its API spells it (``UPDATING``, ``RUNNING``): the value of
+    Serve's string enums, whose ``str()`` is ``DeploymentStatus.UPDATING``."""
+    return str(getattr(value, "value", value)).rsplit(".", 1)[-1]
+
+
 def header_value(request: Request, name: str) -> str | None:
     """The value of header ``name``, matched without regard to case or to '-' versus '_'
     (some clients and proxies spell ``x-session-id`` as ``X_Session_Id``)."""
@@ -392,8 +398,9 @@ class Ingress:
             app_name = serve.get_replica_context().app_name
             dep = st.applications[app_name].deployments.get("EngineReplica")
             if dep is not None:
-                out = {"status": str(dep.status), "message": dep.message,
-                       "replica_states": {str(k): v for k, v in dep.replica_states.items()}}
+                out = {"status": _enum_name(dep.status), "message": dep.message,
+                       "replica_states": {_enum_name(k): v
+                                          for k, v in dep.replica_states.items()}}
         except asyncio.TimeoutError:
             logger.debug("engine deployment status: Serve's controller is slow")
             return out  # the last one known, asked again at the next probe
@@ -529,9 +536,14 @@ class Ingress:
         """Prometheus text of every router and engine process (an admin key's, with keys:
         Prometheus sends one with its scrape config's ``authorization``)."""
         self.keys.authorize_admin(request.headers.get("authorization"))
-        from router.metrics import scrape_cluster_metrics
-        return PlainTextResponse(await scrape_cluster_metrics(),
-                                 media_type="text/plain; version=0.0.4")
+        from router.metrics import MetricsUnavailable, scrape_cluster_metrics
+        try:
+            text = await scrape_cluster_metrics()
+        except MetricsUnavailable as exc:  # a failed scrape (up == 0), not an empty one
+            logger.warning("metrics scrape failed: %s", exc)
+            raise OpenAIError(503, f"metrics unavailable: {exc}",
+                              "ServiceUnavailableError") from None
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
 def engine_deployment(settings: Settings):

@@ -356,6 +356,12 @@ class Settings(BaseSettings):
     # --- ingress ------------------------------------------------------------------------
     max_body_bytes: int = Field(100 * 1024 * 1024, gt=0,
                                 description="Largest request body accepted (413 beyond).")
+    max_header_bytes: int = Field(
+        64 * 1024, gt=0, description="Most bytes of header names and values a request may "
+        "carry (431 beyond). Enforced in Ray Serve's HTTP proxy by router.serve.header_guard, "
+        "which reads it from the proxy's environment only: set it as "
+        "PREFIX_ROUTER_MAX_HEADER_BYTES where the Ray nodes start (deploy/run.sh's "
+        "environment), not in a config file's args. Not enforced in HAProxy mode.")
     route_tokenize_max_bytes: int = Field(
         4 * 1024 * 1024, gt=0, description="Request bodies larger than this are routed by "
                                            "load without rendering or tokenizing the prompt "

@@ -14,6 +14,7 @@ router's module, so this module keeps them, not the router).
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from typing import Any
 
@@ -211,19 +212,28 @@ def get(name: str):
 
 
 FLUSH_S = 0.5  # how often coalesced counter increments and gauge values reach Ray (s)
+# How often every gauge set through ``set_gauge`` is handed to Ray again, changed or not
+# (s). Ray's metrics agent drops a gauge series not reported for two of its export
+# periods (``RAY_metrics_report_interval_ms``, 5 s by default, at least 1 s:
+# ``ray._private.telemetry.open_telemetry_metric_recorder``, Ray 2.60), so a gauge set
+# only when it changes (``router_index_available`` on an idle router) vanished from
+# ``/metrics``, and an alert on its value saw nothing (a break test).
+REFRESH_S = 1.0
 
 
 class Coalesced:
     """Counter increments and gauge values held in the process and handed to the metric
     objects of ``metric_of(name)`` in one record per (name, tags) at each ``flush``: a
-    daemon thread flushes every ``interval_s`` (none when None: ``flush`` by hand).
-    Thread-safe."""
+    daemon thread flushes every ``interval_s`` (none when None: ``flush`` by hand), and
+    every ``refresh_s`` hands every gauge's latest value again (``REFRESH_S``) until
+    ``forget`` drops its series. Thread-safe."""
 
-    def __init__(self, metric_of, interval_s: float | None):
-        self.metric_of, self.interval_s = metric_of, interval_s
+    def __init__(self, metric_of, interval_s: float | None, refresh_s: float = REFRESH_S):
+        self.metric_of, self.interval_s, self.refresh_s = metric_of, interval_s, refresh_s
         self._lock = threading.Lock()
         self._incs: dict[tuple[str, tuple], float] = {}  # (counter, tags) -> to add
         self._sets: dict[tuple[str, tuple], float] = {}  # (gauge, tags) -> latest value
+        self._latest: dict[tuple[str, tuple], float] = {}  # every gauge series, refreshed
         self._thread: threading.Thread | None = None
 
     def inc(self, name: str, value: float, tags: dict[str, str] | None) -> None:
@@ -233,9 +243,16 @@ class Coalesced:
             self._start_locked()
 
     def set(self, name: str, value: float, tags: dict[str, str] | None) -> None:
+        key = (name, tuple(sorted(tags.items())) if tags else ())
         with self._lock:
-            self._sets[(name, tuple(sorted(tags.items())) if tags else ())] = value
+            self._sets[key] = self._latest[key] = value
             self._start_locked()
+
+    def forget(self, name: str, tags: dict[str, str] | None) -> None:
+        """Stop refreshing gauge ``name``'s series of ``tags`` (a value set and not flushed
+        yet is still handed on once): Ray drops it after its retention."""
+        with self._lock:
+            self._latest.pop((name, tuple(sorted(tags.items())) if tags else ()), None)
 
     def _start_locked(self) -> None:
         if self.interval_s is not None and (self._thread is None
@@ -244,11 +261,14 @@ class Coalesced:
                                             name="router-metrics-flush")
             self._thread.start()
 
-    def flush(self) -> None:
-        """Hand every held increment and gauge value to its metric now."""
+    def flush(self, refresh: bool = False) -> None:
+        """Hand every held increment and gauge value to its metric now; with ``refresh``,
+        every gauge series' latest value too."""
         with self._lock:
             incs, sets = self._incs, self._sets
             self._incs, self._sets = {}, {}
+            if refresh:
+                sets = {**self._latest, **sets}
         for held, op in ((incs, "inc"), (sets, "set")):
             for (name, tags), value in held.items():
                 try:  # one bad record (a tag the metric lacks) must not drop the others
@@ -261,10 +281,15 @@ class Coalesced:
         import logging
         import time
 
+        last_refresh = time.monotonic()
         while True:
             time.sleep(self.interval_s)
+            now = time.monotonic()
+            refresh = now - last_refresh >= self.refresh_s
+            if refresh:
+                last_refresh = now
             try:
-                self.flush()
+                self.flush(refresh)
             except Exception:  # a metric must never stop the flushes (nor the process)
                 logging.getLogger(__name__).exception("metrics flush failed")
 
@@ -288,8 +313,15 @@ def inc(name: str, value: float = 1.0, tags: dict[str, str] | None = None) -> No
 
 
 def set_gauge(name: str, value: float, tags: dict[str, str] | None = None) -> None:
-    """Set gauge ``name`` to ``value``, coalesced as ``inc`` (the latest value wins)."""
+    """Set gauge ``name`` to ``value``, coalesced as ``inc`` (the latest value wins), and
+    handed to Ray again every ``REFRESH_S`` while this process lives, so that the series
+    does not vanish between changes (``forget_gauge`` ends it)."""
     _coalesced.set(name, value, tags)
+
+
+def forget_gauge(name: str, tags: dict[str, str] | None = None) -> None:
+    """Stop refreshing a ``set_gauge`` series (its replica left): Ray drops it later."""
+    _coalesced.forget(name, tags)
 
 
 def record_engine_load(replica: str, running: float, waiting: float,
@@ -359,19 +391,60 @@ def aggregate_ray_export(texts: list[str], prefix: str = "ray_router_") -> str:
     return "\n".join(out) + "\n"
 
 
-async def scrape_cluster_metrics() -> str:
-    """The router's metrics from Ray's exporter on every live node, summed over processes."""
-    import httpx
+class MetricsUnavailable(Exception):
+    """A live node's metrics exporter did not answer: the scrape fails as a whole."""
+
+
+async def scrape_cluster_metrics(timeout_s: float = 5.0) -> str:
+    """The router's metrics from Ray's exporter on every live node, summed over processes
+    (``aggregate_ray_export``).
+
+    Ray's node list (a blocking call to its GCS) and the parsing of the exports (Python's
+    Prometheus parser over every Ray series of every node) run on a thread, and the nodes
+    are read at once: on the ingress's event loop, a scrape took 0.5 to 15.6 s on the
+    2-core VM under load, and stopped every request's routing meanwhile (a break test).
+
+    Raises:
+        MetricsUnavailable: an alive node's exporter failed or did not answer within
+            ``timeout_s``. Its counters would otherwise drop out of the sums, and a
+            Prometheus reading a lower counter takes it for a reset (``rate()`` then counts
+            the whole total again when the node is back), where a failed scrape only
+            leaves a gap (``up == 0``). Before, such a scrape came back as an empty 200.
+    """
     import ray
 
-    texts = []
-    async with httpx.AsyncClient(timeout=5.0) as client:
-        for node in ray.nodes():
-            if not node.get("Alive") or not node.get("MetricsExportPort"):
-                continue
-            url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
-            try:
-                texts.append((await client.get(url)).text)
-            except httpx.HTTPError:
-                continue
-    return aggregate_ray_export(texts)
+    nodes = await asyncio.to_thread(ray.nodes)
+    urls = [f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics"
+            for n in nodes if n.get("Alive") and n.get("MetricsExportPort")]
+    texts = await fetch_exports(urls, timeout_s)
+    return await asyncio.to_thread(aggregate_ray_export, texts)
+
+
+async def fetch_exports(urls: list[str], timeout_s: float = 5.0) -> list[str]:
+    """The bodies of ``urls`` (Prometheus exports), read at once, in order.
+
+    Raises:
+        MetricsUnavailable: none to read, or one failed, answered other than 200 or took
+            longer than ``timeout_s``; the message names them.
+    """
+    import httpx
+
+    if not urls:
+        raise MetricsUnavailable("no live Ray node exports metrics")
+
+    async with httpx.AsyncClient(timeout=timeout_s) as client:
+        tasks = [asyncio.ensure_future(client.get(u)) for u in urls]
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    texts, failed = [], []
+    for url, r in zip(urls, results):
+        if isinstance(r, BaseException):
+            if not isinstance(r, httpx.HTTPError):
+                raise r
+            failed.append(f"{url} ({type(r).__name__})")
+        elif r.status_code != 200:
+            failed.append(f"{url} (HTTP {r.status_code})")
+        else:
+            texts.append(r.text)
+    if failed:
+        raise MetricsUnavailable("Ray's metrics exporter did not answer on " + ", ".join(failed))
+    return texts

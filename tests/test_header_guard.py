@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from router.serve.header_guard import HeaderGuard, proxy_middlewares, undecodable_header
 
 
@@ -35,3 +37,35 @@ async def test_the_guard_answers_400_in_the_openai_shape_and_passes_the_rest():
     await guard({"type": "lifespan"}, None, send)
     assert len(calls) == 2 and len(sent) == 2
     assert [m.cls for m in proxy_middlewares()] == [HeaderGuard]
+
+
+async def test_headers_over_the_limit_get_a_431_in_the_openai_shape(monkeypatch):
+    """Found by a break test: 200 headers of 8 KB (1.6 MB) were accepted and served; past
+    ``max_header_bytes()`` (64 KiB unless ``PREFIX_ROUTER_MAX_HEADER_BYTES`` says otherwise)
+    a request is answered 431 before the application sees it."""
+    from router.serve.header_guard import DEFAULT_MAX_HEADER_BYTES, max_header_bytes
+
+    calls, sent = [], []
+
+    async def app(scope, receive, send):
+        calls.append(scope)
+
+    async def send(message):
+        sent.append(message)
+
+    guard = HeaderGuard(app)
+    assert guard.limit == DEFAULT_MAX_HEADER_BYTES == 65536
+    big = [(b"x-pad-%d" % i, b"v" * 8000) for i in range(9)]  # 72 KB
+    await guard({"type": "http", "headers": big}, None, send)
+    assert not calls and sent[0]["status"] == 431
+    body = json.loads(sent[1]["body"])
+    assert body["error"]["code"] == 431 and "PREFIX_ROUTER_MAX_HEADER_BYTES" in \
+        body["error"]["message"]
+    await guard({"type": "http", "headers": big[:7]}, None, send)  # 56 KB: passed on
+    assert len(calls) == 1 and len(sent) == 2
+    monkeypatch.setenv("PREFIX_ROUTER_MAX_HEADER_BYTES", "200000")
+    assert max_header_bytes() == 200000 and HeaderGuard(app).limit == 200000
+    for bad in ("0", "-5", "1e5", "lots"):
+        monkeypatch.setenv("PREFIX_ROUTER_MAX_HEADER_BYTES", bad)
+        with pytest.raises(ValueError):
+            max_header_bytes()

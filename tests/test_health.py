@@ -124,15 +124,19 @@ def test_ready_counts_the_replicas_serve_keeps_after_a_deployments_override():
     """An operator's review: after a ``deployments:`` override of ``num_replicas`` (applied in
     place, the application's arguments unchanged) ``/health`` counted the arguments' count,
     so it said ``degraded`` forever after a scale-in and ``ready`` too early after a
-    scale-out. The deployment status is shaped as ``serve.status()`` gives it
-    (``Ingress._engine_deployment_status``: its enums as ``str()`` writes them)."""
+    scale-out. The deployment status is shaped as ``Ingress._engine_deployment_status``
+    gives it from ``serve.status()``: its enums by name (``UPDATING``; a break test saw
+    ``DeploymentStatus.UPDATING`` in ``/health``), as Serve's REST API spells them."""
     from ray.serve._private.common import DeploymentStatus, ReplicaState
 
-    from router.app import engine_replicas_configured
+    from router.app import _enum_name, engine_replicas_configured
 
     def dep(status, **states):
-        return {"status": str(status), "message": "",
-                "replica_states": {str(ReplicaState[k]): n for k, n in states.items()}}
+        return {"status": _enum_name(status), "message": "",
+                "replica_states": {_enum_name(ReplicaState[k]): n for k, n in states.items()}}
+
+    assert dep(DeploymentStatus.UPDATING, STARTING=1) == {
+        "status": "UPDATING", "message": "", "replica_states": {"STARTING": 1}}
 
     fixed = Settings(num_replicas=4)
     # scaled out to 12 by the override: 4 run, 8 start

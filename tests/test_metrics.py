@@ -91,3 +91,98 @@ def test_counter_increments_and_gauge_values_reach_ray_coalesced():
     assert made["inflight"].records == [("set", 1, {"replica": "a"})]
     held.flush()  # nothing new: nothing sent again
     assert len(made["decisions"].records) == 2
+
+
+async def test_a_scrape_fails_as_a_whole_when_a_nodes_exporter_does_not_answer():
+    """Found by a break test: a scrape whose exporters failed or were slow came back as a
+    200 with an empty body, which Prometheus reads as every series gone. All nodes' exports
+    are read at once; one that fails, answers other than 200 or is late fails the scrape
+    (``MetricsUnavailable``, a 503 at ``/metrics``): a partial sum would read as a counter
+    reset."""
+    import asyncio
+
+    import pytest
+    from aiohttp import web
+
+    from router.metrics import MetricsUnavailable, fetch_exports
+    from tests.conftest import free_port
+
+    async def export(request):
+        return web.Response(text=EXPORT)
+
+    async def broken(request):
+        return web.Response(status=500, text="boom")
+
+    async def slow(request):
+        await asyncio.sleep(2.0)
+        return web.Response(text=EXPORT)
+
+    app = web.Application()
+    app.router.add_get("/metrics", export)
+    app.router.add_get("/broken", broken)
+    app.router.add_get("/slow", slow)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    base, dead = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{free_port()}/metrics"
+    try:
+        texts = await fetch_exports([f"{base}/metrics", f"{base}/metrics"], timeout_s=1.0)
+        assert 'router_decision_total{policy="p",reason="cache"} 14.0' in \
+            aggregate_ray_export(texts)
+        for bad in (dead, f"{base}/broken", f"{base}/slow"):
+            with pytest.raises(MetricsUnavailable) as err:
+                await fetch_exports([f"{base}/metrics", bad], timeout_s=0.5)
+            assert bad in str(err.value)
+        with pytest.raises(MetricsUnavailable):
+            await fetch_exports([])
+    finally:
+        await runner.cleanup()
+
+
+def test_gauges_are_handed_on_again_until_forgotten():
+    """Found by a break test: ``router_index_available`` and
+    ``router_replicas_without_kv_events``, set only when a request was routed, vanished from
+    ``/metrics`` on an idle router (Ray drops a gauge not reported for two export
+    periods), and an alert on their value saw nothing. Every gauge series set is handed on
+    again at each refresh, until forgotten; counters are not (they are totals)."""
+    from router.metrics import Coalesced
+
+    records = []
+
+    class Metric:
+        def __init__(self, name):
+            self.name = name
+
+        def set(self, value, tags=None):
+            records.append(("set", self.name, value, tags))
+
+        def inc(self, value, tags=None):
+            records.append(("inc", self.name, value, tags))
+
+    c = Coalesced(Metric, interval_s=None)
+    c.set("index_available", 1, None)
+    c.set("inflight", 2, {"replica": "a"})
+    c.set("inflight", 3, {"replica": "a"})  # the latest value wins
+    c.inc("decisions", 1, {"reason": "cache"})
+    c.flush()
+    assert sorted(records, key=str) == sorted([
+        ("set", "index_available", 1, None), ("set", "inflight", 3, {"replica": "a"}),
+        ("inc", "decisions", 1, {"reason": "cache"})], key=str)
+    records.clear()
+    c.flush()
+    assert records == []  # nothing new, no refresh asked
+    c.flush(refresh=True)
+    assert sorted(records, key=str) == sorted([
+        ("set", "index_available", 1, None), ("set", "inflight", 3, {"replica": "a"})],
+        key=str)
+    records.clear()
+    c.set("inflight", 0, {"replica": "a"})
+    c.forget("inflight", {"replica": "a"})  # its last value still goes, once
+    c.flush(refresh=True)
+    assert sorted(records, key=str) == sorted([
+        ("set", "index_available", 1, None), ("set", "inflight", 0, {"replica": "a"})],
+        key=str)
+    records.clear()
+    c.flush(refresh=True)
+    assert records == [("set", "index_available", 1, None)]

@@ -156,7 +156,7 @@ class LayoutGuard:
                 logger.warning("namespace %r: no other key layout's routers are left: the "
                                "shared index is used again", self.keys.namespace)
         self.others = others
-        metrics.get("index_layout_conflict").set(1 if conflict else 0)
+        metrics.set_gauge("index_layout_conflict", 1 if conflict else 0)
 
     async def _clear(self, client) -> int:
         """Delete the namespace's keys of every kind (``CLEARED``), the drained set and

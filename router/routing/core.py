@@ -796,8 +796,9 @@ async def route_request(core: RoutingCore, req, replicas: Sequence[ReplicaInfo],
     from router import metrics
 
     pool = [r for r in replicas if r.replica_id not in req.excluded_replicas] or list(replicas)
-    metrics.get("replicas_without_kv_events").set(  # engines listed without events: by design
-        sum(1 for r in pool if r.stats.kv_events_live is False and r.metadata.kv_events_endpoint))
+    metrics.set_gauge("replicas_without_kv_events",  # engines listed without events: by design
+                      sum(1 for r in pool if r.stats.kv_events_live is False
+                          and r.metadata.kv_events_endpoint))
     def decide(head: bool):
         return core.decide(req.request_id, req.prompt_tokens, req.block_hashes, pool,
                            cacheable=bool(req.block_hashes), policy=policy,
@@ -827,7 +828,7 @@ async def route_request(core: RoutingCore, req, replicas: Sequence[ReplicaInfo],
         admission.reserved(req.request_id)
     now = time.perf_counter()
     if decision.reason != "fallback":
-        metrics.get("index_available").set(1)
+        metrics.set_gauge("index_available", 1)
     req.routed_replica = decision.replica
     req.predicted_cached_tokens = dict(decision.predicted_cached_tokens)
     req.routing_reason = decision.reason

@@ -190,7 +190,7 @@ class Admission:
         self._held_sorted: list[float] | None = None
         self._inflight_seen = 0  # requests in flight on the usable replicas at the last look
         if bound is not None:  # the series exists from the start: a queue refused at once
-            metrics.get("admission_waiting").set(0)  # by its drain rate never sets it
+            metrics.set_gauge("admission_waiting", 0)  # by its drain rate never sets it
 
     RATE_WINDOW_S = 10.0
     OVERLOAD_RATIO = 1.5
@@ -442,7 +442,7 @@ class Admission:
         turn: asyncio.Future = loop.create_future()
         entry = (priority, next(self._seq), turn, request_id)
         heapq.heappush(self._queue, entry)
-        metrics.get("admission_waiting").set(len(self._queue))
+        metrics.set_gauge("admission_waiting", len(self._queue))
         if self._head_task is None or self._head_task.done():
             self._head_task = loop.create_task(self._serve_queue(replicas))
         try:
@@ -480,7 +480,7 @@ class Admission:
             self._last_empty = time.monotonic()
         if not entry[2].done():
             entry[2].cancel()
-        metrics.get("admission_waiting").set(len(self._queue))
+        metrics.set_gauge("admission_waiting", len(self._queue))
 
     async def _serve_queue(self, replicas: Callable[[], Sequence[str]]) -> None:
         """Hand slots to the queue's head while it is not empty."""
@@ -506,7 +506,7 @@ class Admission:
                 logger.warning("admission could not read the load: %s", exc)
                 room = 0
             if room > 0:
-                metrics.get("admission_waiting").set(len(self._queue))
+                metrics.set_gauge("admission_waiting", len(self._queue))
                 continue
             self._wake.clear()
             try:

@@ -11,7 +11,18 @@ code, as a Starlette middleware that Serve's proxy loads from
 ``RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=router.serve.header_guard:proxy_middlewares``
 (``deploy/run.sh`` and the Kubernetes manifests set it): such a request gets an OpenAI-style
 400 naming the header. Every other header is left to the application, which reads values
-as Latin-1 (Starlette) and validates its own.
+as Latin-1 (Starlette) and validates its own. (A header *name* with a byte above 0x7F never
+gets here behind uvicorn: a name must be an HTTP token, and its parser answers the request
+with its own plain-text 400, "Invalid HTTP request received.", before any middleware runs.
+The guard checks names too, for servers that pass them on.)
+
+The guard also bounds the headers' size: more than ``max_header_bytes()`` bytes of names
+and values together (64 KiB unless ``PREFIX_ROUTER_MAX_HEADER_BYTES`` says otherwise) get an
+OpenAI-style 431. Neither uvicorn's parser (with httptools) nor Serve's proxy bounds them: a
+break test sent 200 headers of 8 KB (1.6 MB) and got a 200, each request's headers held in
+memory by the proxy and the ingress. 64 KiB is above what clients send (nginx refuses a
+request line or header line over 8 KiB by default, ``large_client_header_buffers``; Node's
+HTTP server refuses more than 16 KiB of headers, ``--max-http-header-size``).
 """
 
 from __future__ import annotations
@@ -19,7 +30,7 @@ from __future__ import annotations
 import json
 import os
 
-from router.serve.errors import bad_request
+from router.serve.errors import OpenAIError, bad_request
 
 # the headers whose values Ray's proxy decodes (names compared as it compares them:
 # lower case, '-' and '_' alike)
@@ -51,24 +62,60 @@ def undecodable_header(headers) -> str | None:
     return None
 
 
+DEFAULT_MAX_HEADER_BYTES = 64 * 1024  # router.config.Settings.max_header_bytes's default
+
+
+def max_header_bytes() -> int:
+    """The most bytes of header names and values a request may carry
+    (``Settings.max_header_bytes``): ``PREFIX_ROUTER_MAX_HEADER_BYTES`` as Serve's proxy
+    process, which the guard runs in, has it (from the environment its Ray node started
+    with: ``deploy/run.sh``'s), else ``DEFAULT_MAX_HEADER_BYTES``.
+
+    Raises:
+        ValueError: the variable is set to something other than a positive integer.
+    """
+    raw = os.environ.get("PREFIX_ROUTER_MAX_HEADER_BYTES")
+    if raw is None or raw == "":
+        return DEFAULT_MAX_HEADER_BYTES
+    if not raw.isdigit() or int(raw) <= 0:
+        raise ValueError(f"PREFIX_ROUTER_MAX_HEADER_BYTES must be a positive integer, "
+                         f"not {raw!r}")
+    return int(raw)
+
+
 class HeaderGuard:
     """ASGI middleware: a request with a header Ray's proxy cannot decode
     (``undecodable_header``) is answered 400 with an OpenAI-style JSON body naming the
-    header (``param``); every other request goes on unchanged."""
+    header (``param``), one whose headers take more than ``limit`` bytes (names and values;
+    default ``max_header_bytes()``) 431; every other request goes on unchanged."""
 
-    def __init__(self, app):
+    def __init__(self, app, limit: int | None = None):
         self.app = app
+        self.limit = max_header_bytes() if limit is None else limit
 
     async def __call__(self, scope, receive, send):
-        bad = undecodable_header(scope.get("headers", ())) if scope["type"] == "http" else None
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = scope.get("headers", ())
+        size = sum(len(name) + len(value) for name, value in headers)
+        if size > self.limit:
+            err = OpenAIError(431, f"the request's headers take {size} bytes, over the "
+                                   f"router's limit of {self.limit} "
+                                   "(PREFIX_ROUTER_MAX_HEADER_BYTES)",
+                              "RequestHeaderFieldsTooLargeError")
+            return await _answer(send, err)
+        bad = undecodable_header(headers)
         if bad is None:
             return await self.app(scope, receive, send)
-        body = json.dumps(bad_request(f"request header {bad!r} is not UTF-8 text",
-                                      bad).body()).encode()
-        await send({"type": "http.response.start", "status": 400, "headers": [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+        await _answer(send, bad_request(f"request header {bad!r} is not UTF-8 text", bad))
+
+
+async def _answer(send, err: OpenAIError) -> None:
+    body = json.dumps(err.body()).encode()
+    await send({"type": "http.response.start", "status": err.status, "headers": [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
 
 
 def proxy_middlewares() -> list:

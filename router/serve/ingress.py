@@ -330,25 +330,25 @@ class IngressCore:
             self._gauges_task = asyncio.get_running_loop().create_task(self._keep_gauges())
 
     async def _keep_gauges(self, period_s: float = 5.0) -> None:
-        """Set ``router_inflight`` again every ``period_s`` for every replica this process
-        has dispatched to: Ray's exporter drops a gauge that has not been set for a while,
-        so one set only on change vanished from ``/metrics`` during long requests. A replica
-        that left the deployment is set to 0 once and forgotten. ``router_replica_hash_mismatch``
-        is set for every replica known now, and ``router_admission_waiting`` (with a bound),
-        the same way."""
+        """Every ``period_s``: ``router_replica_hash_mismatch`` for every replica known now,
+        and ``router_admission_waiting`` (with a bound). ``router_inflight`` is kept by
+        ``metrics.set_gauge`` (handed to Ray again while unchanged: Ray's exporter drops a
+        gauge that has not been set for a while, and one set only on change vanished from
+        ``/metrics`` during long requests); a replica that left the deployment has its
+        count set to 0 once and forgotten."""
         mismatch = metrics.get("hash_mismatch")
         while True:
             await asyncio.sleep(period_s)
             if self.admission.bound is not None:
-                metrics.get("admission_waiting").set(self.admission.waiting)
+                metrics.set_gauge("admission_waiting", self.admission.waiting)
             for info in state.replica_infos() or ():  # set again, as router_inflight
                 mismatch.set(1 if hash_mismatches(self.settings.hash_settings, info.metadata)
                              else 0, tags={"replica": info.replica_id})
             current = state.replica_ids()
             for replica, n in list(self.inflight.items()):
-                metrics.set_gauge("inflight", n, tags={"replica": replica})
                 if current is not None and replica not in current and n == 0:
                     del self.inflight[replica]
+                    metrics.forget_gauge("inflight", {"replica": replica})
 
     def check_tokens_body(self, path: str, body: dict) -> None:
         """Refuse, before an engine spends on it, a ``/tokenize`` body with more text than

@@ -123,7 +123,7 @@ def make_routing_core(settings: Settings, policy):
 
     def index_error(exc: Exception, op: str) -> None:
         metrics.inc("index_errors", tags={"op": op})
-        metrics.get("index_available").set(0)
+        metrics.set_gauge("index_available", 0)
 
     index, load = make_index(settings), make_load_tracker(settings)
     return RoutingCore(settings, index, load, policy, on_index_error=index_error,
