@@ -364,8 +364,14 @@ def aggregate_ray_export(texts: list[str], prefix: str = "ray_router_") -> str:
 
     sums: dict[tuple, float] = {}
     kinds: dict[str, tuple[str, str]] = {}
+    # only the router's lines reach the parser (Ray's export holds every Ray series of the
+    # node, most of it): a family's HELP and TYPE lines and its samples all name it. On
+    # the 2-core VM, 11,000 lines of other families with the router's: 290 ms to parse
+    # them all, 2.7 ms to filter and aggregate
+    heads = (prefix, f"# HELP {prefix}", f"# TYPE {prefix}")
     for text in texts:
-        for fam in text_string_to_metric_families(text):
+        ours = "\n".join(line for line in text.splitlines() if line.startswith(heads))
+        for fam in text_string_to_metric_families(ours):
             if not fam.name.startswith(prefix):
                 continue
             name = fam.name[len("ray_"):]
