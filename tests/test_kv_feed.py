@@ -426,7 +426,7 @@ class _SlowIndex(MemoryPrefixIndex):
 
     async def apply_events(self, replica_id, events):
         await asyncio.sleep(self.delay_s)
-        await super().apply_events(replica_id, events)
+        return await super().apply_events(replica_id, events)
 
 
 async def test_apply_lag_runs_from_the_engine_step_to_the_end_of_the_index_write(
@@ -502,3 +502,39 @@ def test_an_engine_that_serves_other_nodes_publishes_its_events_on_tcp():
     assert ports.kv_events.startswith("tcp://*:") and ports.kv_replay.startswith("tcp://*:")
     assert ports.kv_events != ports.kv_replay
     assert EnginePorts.allocate("r1").kv_events.startswith("ipc://@")
+
+
+async def test_a_feed_stops_writing_once_its_replica_is_purged_as_gone(tmp_path, own_redis):
+    """Found by an operator's review: a replica being stopped after its purge (scale-in)
+    still published events; the index refused them (its tombstone), the feed took its
+    entries for vanished and rewrote them from its record every second, each refused
+    write logged as "rebuilt". The refusal now reaches the feed (``apply_events`` returns
+    False), which writes nothing more to that index."""
+    for kind in ("memory", "redis"):
+        (tmp_path / kind).mkdir()
+        ep, _ = endpoints(tmp_path / kind)
+        pub = EventPublisher(ep, None, "r1")
+        index = MemoryPrefixIndex() if kind == "memory" else RedisPrefixIndex(
+            own_redis.url, namespace=f"t{uuid.uuid4().hex[:6]}", timeout_s=0.5)
+        feed = EventFeed("r1", ep, None, index, flush_interval_s=0.001)
+        feed.ROOTS_CHECK_S = 0.05
+        feed.start()
+        await asyncio.sleep(0.2)
+        await pub.publish([KVEvent("stored", [1, 2, 3], None)], 32)
+        await until(lambda: _safe_matched(index, [1, 2, 3], 3))
+        await index.remove_replica("r1")
+        assert not await index.apply_events("r1", [KVEvent("stored", [9], None)]), kind
+        await pub.publish([KVEvent("stored", [4], 3)], 32)  # the engine goes on a while
+        await until(lambda: _refused(feed))
+        resyncs, applied = feed.resyncs, feed.events_applied
+        for i in range(5):
+            await pub.publish([KVEvent("stored", [5 + i], 4 + i)], 32)
+            await asyncio.sleep(0.1)  # twice the roots check's period
+        assert (feed.resyncs, feed.events_applied) == (resyncs, applied), kind
+        assert feed.resyncs == 0 and not feed.dirty and feed.pending == []
+        assert (await index.lookup([1, 2, 3], ["r1"]))["r1"] == 0
+        await feed.stop()
+
+
+async def _refused(feed):
+    return feed.refused

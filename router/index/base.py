@@ -116,9 +116,15 @@ class PrefixIndex(ABC):
         request that predicted them, so it will not hold them); exact entries stay."""
 
     @abstractmethod
-    async def apply_events(self, replica: str, events: Sequence[KVEvent]) -> None:
+    async def apply_events(self, replica: str, events: Sequence[KVEvent]) -> bool:
         """Apply one engine's KV events, in order, to its exact entries (``AllBlocksCleared``
-        also drops the replica's predicted entries: they predate the clear)."""
+        also drops the replica's predicted entries: they predate the clear). Returns False,
+        having written nothing, when the index refuses them: the replica was purged as
+        gone (``remove_replica``) and its tombstone lives on; True otherwise.
+
+        Raises:
+            IndexUnavailable: the index did not answer.
+        """
 
     async def clear_replica(self, replica: str) -> None:
         """Forget every entry (exact and predicted) of ``replica`` without a tombstone: the

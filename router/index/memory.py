@@ -145,14 +145,14 @@ class MemoryPrefixIndex(PrefixIndex):
             heapq.heapify(self._expiry_heap)
 
     # --- exact entries ---------------------------------------------------------------
-    async def apply_events(self, replica: str, events: Sequence[KVEvent]) -> None:
-        self.apply_events_now(replica, events)
+    async def apply_events(self, replica: str, events: Sequence[KVEvent]) -> bool:
+        return self.apply_events_now(replica, events)
 
-    def apply_events_now(self, replica: str, events: Sequence[KVEvent]) -> None:
+    def apply_events_now(self, replica: str, events: Sequence[KVEvent]) -> bool:
         """Synchronous ``apply_events``."""
         with self._lock:
             if self._gone.get(replica, 0.0) > self.clock.now():
-                return  # purged as gone (GONE_TTL_S)
+                return False  # purged as gone (GONE_TTL_S)
             held = self._exact_by_replica.setdefault(replica, set())
             for ev in events:
                 if ev.kind is EventKind.CLEARED:  # predicted entries predate the clear too
@@ -191,6 +191,7 @@ class MemoryPrefixIndex(PrefixIndex):
                                 self._parent.pop(h, None)
                         else:
                             owners[replica] -= 1
+        return True
 
     def _clear_exact_locked(self, replica: str) -> None:
         self._roots_by_replica.pop(replica, None)

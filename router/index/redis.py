@@ -572,7 +572,7 @@ class RedisPrefixIndex(PrefixIndex):
 
         await self.conn.call(run, maintenance=maintenance)
 
-    async def apply_events(self, replica: str, events: Sequence[KVEvent]) -> None:
+    async def apply_events(self, replica: str, events: Sequence[KVEvent]) -> bool:
         ops: list[Any] = []
         for ev in events:
             if ev.kind is EventKind.CLEARED:
@@ -588,21 +588,24 @@ class RedisPrefixIndex(PrefixIndex):
                 else:  # the parent's hash first: the script keeps each block's parent
                     ops += [EventOp.STORED.value,
                             pack_hashes([ev.parent_block_hash]) + packed]
-        if ops:
-            await self._run_events(replica, [*ops, "t", self._now_ms()])
+        return await self._run_events(replica, [*ops, "t", self._now_ms()]) if ops else True
 
-    async def _run_events(self, replica: str, ops: list[Any], maintenance: bool = False) -> None:
+    async def _run_events(self, replica: str, ops: list[Any], maintenance: bool = False) -> bool:
+        """Run ``lua/apply_events.lua``'s ``ops`` for ``replica``: False when the script
+        refused them (the replica's tombstone), True when it ran them."""
         k = self.keys_of(replica)
         keys = k.replica_entries(replica) + [k.replicas, k.gone(replica), k.roots]
 
         async def run(client):
             return await self.scripts.of(client).apply_events(keys=keys, args=[replica, *ops])
 
-        if not int(await self.conn.call(run, maintenance=maintenance)) and not \
-                self._refused_warned.get(replica):
+        if int(await self.conn.call(run, maintenance=maintenance)):
+            return True
+        if not self._refused_warned.get(replica):
             self._refused_warned[replica] = True
             logger.warning("the index refuses the KV events of replica %s: it was purged as "
                            "gone (its tombstone lives %d s)", replica, GONE_TTL_S)
+        return False
 
     async def remove_replica(self, replica: str) -> None:
         """Purge the replica's entries and leave its tombstone (``router.redis_keys``): its

@@ -120,6 +120,9 @@ class EventFeed:
         self.pending: list[KVEvent] = []
         self.pending_batch_ts: list[float] = []  # engine step times of live batches pending
         self.dirty = False
+        # the index refused this replica's events (purged as gone, its tombstone alive):
+        # nothing more is written to it (``_refused``) until another index is set
+        self.refused = False
         self.batches = 0
         self.events_applied = 0
         self.blocks_applied = 0
@@ -182,6 +185,7 @@ class EventFeed:
         if index is self.index:
             return
         self.index = index
+        self.refused = False
         if index is not None:
             self.dirty = True
             self._wake.set()
@@ -206,7 +210,8 @@ class EventFeed:
                 await asyncio.sleep(self.flush_interval_s)  # let a burst accumulate
             root = self._root_to_check()  # before the flush, which writes all it may name
             await self.flush()
-            if self.index is not None and (self.dirty or await self._entries_vanished(root)):
+            if self.index is not None and not self.refused and (
+                    self.dirty or await self._entries_vanished(root)):
                 await self.resync()
 
     async def flush(self) -> None:
@@ -215,13 +220,15 @@ class EventFeed:
             return
         events, self.pending = self.pending, []
         stamps, self.pending_batch_ts = self.pending_batch_ts, []
-        if self.index is None:
+        if self.index is None or self.refused:
             return
         if self.dirty:
             return  # a resync will rewrite everything from the record
         from router import metrics
         try:
-            await self.index.apply_events(self.replica_id, events)
+            if not await self.index.apply_events(self.replica_id, events):
+                self._refused()
+                return
             self.events_applied += len(events)
             blocks = sum(len(e.block_hashes) for e in events)
             self.blocks_applied += blocks
@@ -238,6 +245,16 @@ class EventFeed:
                                "from this replica's record when the index returns",
                                self.replica_id, exc)
             self.dirty = True
+
+    def _refused(self) -> None:
+        """The index refused this replica's events: it was purged as gone (a scale-in, a
+        drain's end) while its engine still publishes. Nothing more is written to that
+        index: a rewrite from the record would be refused too, and it was tried (and
+        logged as done) every second until the engine stopped (an operator's review)."""
+        self.refused, self.dirty = True, False
+        self.pending, self.pending_batch_ts = [], []
+        logger.info("replica %s was purged from the index as gone: its KV events are no "
+                    "longer written there", self.replica_id)
 
     def _root_to_check(self) -> int | None:
         """A root block the replica holds by its record, once every ``ROOTS_CHECK_S`` (None
@@ -289,7 +306,9 @@ class EventFeed:
         events += [KVEvent(EventKind.STORED, [h], parent_block_hash=None)
                    for h in self.record.root_entries(self.replica_id)]
         try:
-            await self.index.apply_events(self.replica_id, events)
+            if not await self.index.apply_events(self.replica_id, events):
+                self._refused()
+                return False
         except IndexUnavailable:
             return False
         self.dirty = False
