@@ -454,8 +454,23 @@ def unpack_field(field: bytes) -> int:
     return int.from_bytes(field, "big")
 
 
-if __name__ == "__main__":  # python -m router.redis_keys [namespace] [--cluster]: ACL rules
-    import sys
+def main(argv: list[str] | None = None) -> None:
+    """``python -m router.redis_keys [namespace] [--cluster]``: print ``acl_rules``. An
+    unknown option is refused (``--help`` printed the rules of a namespace called
+    ``--help``: an operator's review)."""
+    import argparse
 
-    args = [a for a in sys.argv[1:] if a != "--cluster"]
-    print(" ".join(acl_rules(*args[:1], cluster="--cluster" in sys.argv[1:])))
+    ap = argparse.ArgumentParser(
+        prog="python -m router.redis_keys",
+        description="Print the rules of a Redis ACL user that may do what the router does "
+                    "on the keys of one index namespace, and nothing else.")
+    ap.add_argument("namespace", nargs="?", default="prefix-router",
+                    help="the routers' index_namespace (default: prefix-router)")
+    ap.add_argument("--cluster", action="store_true",
+                    help="also what a Redis Cluster client needs to learn the slot map")
+    a = ap.parse_args(argv)
+    print(" ".join(acl_rules(a.namespace, cluster=a.cluster)))
+
+
+if __name__ == "__main__":
+    main()

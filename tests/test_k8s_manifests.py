@@ -750,3 +750,20 @@ def test_the_image_recipe_matches_the_project_and_the_rayservice(docs):
         for p in path.split():
             assert (ROOT / p).exists(), p
 
+
+
+def test_the_acl_rules_command_takes_a_namespace_and_refuses_unknown_options(capsys):
+    """Found by an operator's review: ``python -m router.redis_keys --help`` printed the
+    rules of a namespace called ``--help``."""
+    import pytest
+
+    from router.redis_keys import acl_rules, main
+    main(["my-ns", "--cluster"])
+    assert capsys.readouterr().out.split() == acl_rules("my-ns", cluster=True)
+    main([])
+    assert capsys.readouterr().out.split() == acl_rules("prefix-router")
+    for argv, code in ((["--help"], 0), (["--bogus"], 2)):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == code
+        assert "resetkeys" not in capsys.readouterr().out
