@@ -16,9 +16,17 @@
 # engine serves (/health says "ready": true) and /v1/models answers (`serve run` with a config
 # file prints no readiness line of its own), and what /health says while it waits a minute or
 # more; Ctrl-C (or SIGTERM to its process group) stops it all.
+# It runs deploy/setup.sh first (installs into .venv when pyproject.toml changed since the last
+# install, and regenerates the tiny model if missing; not the test suite's Prometheus):
+# SKIP_SETUP=1 starts from the .venv as it is (a service under systemd, restarted after an
+# upgrade, installs nothing unasked then).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash deploy/setup.sh
+if [ "${SKIP_SETUP:-0}" = 1 ]; then
+    [ -x .venv/bin/python ] || { echo "SKIP_SETUP=1, but there is no .venv: run bash deploy/setup.sh" >&2; exit 2; }
+else
+    PROMETHEUS=0 bash deploy/setup.sh
+fi
 export RAY_AUTH_MODE=${RAY_AUTH_MODE:-disabled}
 # Serve's HTTP proxy answers a request header it cannot decode with a 400, not a plain-text
 # 500 (router/serve/header_guard.py)

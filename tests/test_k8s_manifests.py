@@ -767,3 +767,23 @@ def test_the_acl_rules_command_takes_a_namespace_and_refuses_unknown_options(cap
             main(argv)
         assert exit_.value.code == code
         assert "resetkeys" not in capsys.readouterr().out
+
+
+def test_run_sh_with_skip_setup_installs_nothing_and_needs_a_venv(tmp_path):
+    """Found by an operator's review: ``deploy/run.sh`` always ran ``deploy/setup.sh``
+    (pip when pyproject.toml changed, Prometheus from apt as root), so a service manager's
+    restart after an upgrade installed packages. With ``SKIP_SETUP=1`` it runs none of it;
+    without a ``.venv`` it stops at once, saying so."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    (tmp_path / "deploy").mkdir()
+    shutil.copy(root / "deploy" / "run.sh", tmp_path / "deploy" / "run.sh")
+    (tmp_path / "deploy" / "setup.sh").write_text("touch setup-ran\n")
+    out = subprocess.run(["bash", "deploy/run.sh"], cwd=tmp_path, capture_output=True,
+                         text=True, env={"PATH": "/usr/bin:/bin", "SKIP_SETUP": "1"},
+                         timeout=30)
+    assert out.returncode == 2 and "no .venv" in out.stderr
+    assert not (tmp_path / "setup-ran").exists()
