@@ -24,6 +24,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${SKIP_SETUP:-0}" = 1 ]; then
     [ -x .venv/bin/python ] || { echo "SKIP_SETUP=1, but there is no .venv: run bash deploy/setup.sh" >&2; exit 2; }
+    .venv/bin/python deploy/make_model.py >/dev/null  # the tiny model if missing (installs nothing)
 else
     PROMETHEUS=0 bash deploy/setup.sh
 fi

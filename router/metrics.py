@@ -276,6 +276,9 @@ class Coalesced:
                 except Exception:
                     import logging
                     logging.getLogger(__name__).exception("metric %s not recorded", name)
+                    if op == "set":  # not refreshed (and logged) again every second
+                        with self._lock:
+                            self._latest.pop((name, tags), None)
 
     def _flush_forever(self) -> None:
         import logging
@@ -419,33 +422,45 @@ async def scrape_cluster_metrics(timeout_s: float = 5.0) -> str:
     """
     import ray
 
-    nodes = await asyncio.to_thread(ray.nodes)
-    urls = [f"http://{n['NodeManagerAddress']}:{n['MetricsExportPort']}/metrics"
+    try:
+        nodes = await asyncio.to_thread(ray.nodes)
+    except Exception as exc:  # Ray's GCS did not answer: a failed scrape, not a 500
+        raise MetricsUnavailable(f"Ray's node list: {type(exc).__name__}: {exc}") from None
+    urls = [f"http://{_host(n['NodeManagerAddress'])}:{n['MetricsExportPort']}/metrics"
             for n in nodes if n.get("Alive") and n.get("MetricsExportPort")]
     texts = await fetch_exports(urls, timeout_s)
     return await asyncio.to_thread(aggregate_ray_export, texts)
+
+
+def _host(address: str) -> str:
+    """An address as a URL's host: an IPv6 one in brackets."""
+    return f"[{address}]" if ":" in address and not address.startswith("[") else address
 
 
 async def fetch_exports(urls: list[str], timeout_s: float = 5.0) -> list[str]:
     """The bodies of ``urls`` (Prometheus exports), read at once, in order.
 
     Raises:
-        MetricsUnavailable: none to read, or one failed, answered other than 200 or took
-            longer than ``timeout_s``; the message names them.
+        MetricsUnavailable: none to read, or one failed (any error), answered other than
+            200 or took longer than ``timeout_s`` in all; the message names them.
     """
     import httpx
 
     if not urls:
         raise MetricsUnavailable("no live Ray node exports metrics")
 
+    async def get(client: httpx.AsyncClient, url: str):
+        async with asyncio.timeout(timeout_s):  # the whole request (httpx's: each phase)
+            return await client.get(url)
+
     async with httpx.AsyncClient(timeout=timeout_s) as client:
-        tasks = [asyncio.ensure_future(client.get(u)) for u in urls]
-        results = await asyncio.gather(*tasks, return_exceptions=True)
+        results = await asyncio.gather(*(get(client, u) for u in urls),
+                                       return_exceptions=True)
     texts, failed = [], []
     for url, r in zip(urls, results):
+        if isinstance(r, asyncio.CancelledError):
+            raise r
         if isinstance(r, BaseException):
-            if not isinstance(r, httpx.HTTPError):
-                raise r
             failed.append(f"{url} ({type(r).__name__})")
         elif r.status_code != 200:
             failed.append(f"{url} (HTTP {r.status_code})")

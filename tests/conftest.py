@@ -72,12 +72,12 @@ def make_text(n_tokens: int, seed: int | str, tokenizer=None) -> str:
 
 def metric_sum(text: str, name: str, **labels: str) -> float:
     """Sum of the samples called ``name`` in Prometheus exposition ``text`` whose labels
-    include ``labels`` (e.g. a counter over every replica and process); 0 for the JSON
-    body of a failed scrape (``/metrics``'s 503 when a node's exporter is late), as for
-    an export without the series: the callers poll until the figure arrives."""
+    include ``labels`` (e.g. a counter over every replica and process); NaN for the JSON
+    body of a failed scrape (``/metrics``'s 503 when a node's exporter is late), which no
+    comparison accepts: a poll goes on, an assertion fails."""
     from prometheus_client.parser import text_string_to_metric_families
     if text.lstrip().startswith("{"):
-        return 0.0
+        return float("nan")
     return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 

@@ -60,7 +60,8 @@ LONE_SURROGATES = [  # (path, body, the field named in the 400's param)
     (CHAT_PATH, b'{"model": "m", "messages": [{"role": "user", "content": '
                 b'[{"type": "text", "text": "a\\udfffb"}]}]}', "body.messages.0.content.0.text"),
     (COMPLETIONS_PATH, b'{"model": "m", "prompt": "x", "stop": "\\udc00"}', "body.stop"),
-    (COMPLETIONS_PATH, b'{"model": "m", "prompt": "x", "\\ud83d": 1}', "body.\ud83d"),
+    (COMPLETIONS_PATH, b'{"model": "m", "prompt": "x", "\\ud83d": 1}', "body.\\ud83d"),
+    (CHAT_PATH, b'{"model": "m", "messages": [], "x": {"b\\udc00": 1}}', "body.x.b\\udc00"),
 ]
 
 
@@ -71,11 +72,15 @@ async def test_a_lone_surrogate_anywhere_in_the_body_is_a_400_naming_its_field(
     500 with an empty message, and the router retried it on a second replica (both
     replicas' circuit breakers counting a failure); in a message's content vLLM's 400
     carried the tokenizer binding's type error. It is refused before routing."""
+    from fastapi.responses import JSONResponse
+
     with pytest.raises(OpenAIError) as err:
         await ingress.prepare(path, raw)
     assert err.value.status == 400
     assert err.value.body()["error"]["param"] == param
     assert "lone UTF-16 surrogate" in err.value.body()["error"]["message"]
+    # the answer encodes (a surrogate in a key's path failed to: a plain-text 500)
+    assert JSONResponse(err.value.body(), status_code=400).body
 
 
 async def test_escaped_surrogate_pairs_and_other_lenient_json_are_accepted(model_dir):

@@ -186,3 +186,39 @@ def test_gauges_are_handed_on_again_until_forgotten():
     records.clear()
     c.flush(refresh=True)
     assert records == [("set", "index_available", 1, None)]
+
+
+async def test_the_index_probe_sets_availability_and_size_on_an_idle_router(monkeypatch):
+    """Found by a review: ``router_index_available``, set only by decisions, kept the last
+    one's value however long the router was idle (0 after Redis was back, or 1 during an
+    outage). ``RoutingCore.probe_index``, which the routers' periodic loops call, sets it
+    from a read of the index, with ``router_index_entries``."""
+    from router import metrics
+    from router.index.base import IndexUnavailable
+    from router.index.memory import MemoryPrefixIndex
+    from router.kv_events.wire import KVEvent
+    from tests.test_policies import make_core
+
+    gauges = {}
+    monkeypatch.setattr(metrics, "set_gauge",
+                        lambda name, value, tags=None: gauges.__setitem__(name, value))
+
+    class Flaky(MemoryPrefixIndex):
+        down = False
+
+        async def stats(self):
+            if self.down:
+                raise IndexUnavailable("redis down")
+            return await super().stats()
+
+    index = Flaky()
+    core, _ = make_core(index=index)
+    await index.apply_events("r1", [KVEvent("stored", [1, 2, 3], None)])
+    await core.probe_index()
+    assert gauges == {"index_available": 1, "index_entries": 3}
+    index.down = True
+    await core.probe_index()
+    assert gauges["index_available"] == 0
+    index.down = False
+    await core.probe_index()
+    assert gauges["index_available"] == 1

@@ -676,6 +676,22 @@ class RoutingCore:
     #: calls failing and succeeding by turns, would log a pair of lines per request).
     OUTAGE_LOG_INTERVAL_S = 10.0
 
+    async def probe_index(self) -> None:
+        """Read the index's size now (``PrefixIndex.stats``: one cheap read) and export it:
+        ``router_index_entries``, and ``router_index_available`` (1 when it answered, 0
+        when not). The routers' periodic loops call it, so that an idle router's
+        ``router_index_available`` follows Redis too: set only by the decisions, it kept
+        the last one's value however long the router was idle (a review)."""
+        from router import metrics
+
+        try:
+            stats = await self.index.stats()
+        except IndexUnavailable:
+            metrics.set_gauge("index_available", 0)
+            return
+        metrics.set_gauge("index_available", 1)
+        metrics.set_gauge("index_entries", stats.entries)
+
     @property
     def index_available(self) -> bool:
         """Whether the last index call succeeded. An outage logs a warning at its start
@@ -717,6 +733,14 @@ class RoutingCore:
         self.index_available = False
         if self.on_index_error:
             self.on_index_error(exc, op)
+
+
+def replicas_without_kv_events(replicas: Sequence[ReplicaInfo]) -> int:
+    """Replicas whose engine should publish KV events and does not (an engine listed
+    without an events endpoint is routed on predicted entries by design: not counted);
+    ``router_replicas_without_kv_events``."""
+    return sum(1 for r in replicas
+               if r.stats.kv_events_live is False and r.metadata.kv_events_endpoint)
 
 
 # tasks that outlive their request (releases, late routes' settlements), still running:
@@ -796,9 +820,7 @@ async def route_request(core: RoutingCore, req, replicas: Sequence[ReplicaInfo],
     from router import metrics
 
     pool = [r for r in replicas if r.replica_id not in req.excluded_replicas] or list(replicas)
-    metrics.set_gauge("replicas_without_kv_events",  # engines listed without events: by design
-                      sum(1 for r in pool if r.stats.kv_events_live is False
-                          and r.metadata.kv_events_endpoint))
+    metrics.set_gauge("replicas_without_kv_events", replicas_without_kv_events(pool))
     def decide(head: bool):
         return core.decide(req.request_id, req.prompt_tokens, req.block_hashes, pool,
                            cacheable=bool(req.block_hashes), policy=policy,

@@ -28,6 +28,7 @@ HTTP server refuses more than 16 KiB of headers, ``--max-http-header-size``).
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 from router.serve.errors import OpenAIError, bad_request
@@ -62,24 +63,25 @@ def undecodable_header(headers) -> str | None:
     return None
 
 
-DEFAULT_MAX_HEADER_BYTES = 64 * 1024  # router.config.Settings.max_header_bytes's default
-
-
 def max_header_bytes() -> int:
     """The most bytes of header names and values a request may carry
     (``Settings.max_header_bytes``): ``PREFIX_ROUTER_MAX_HEADER_BYTES`` as Serve's proxy
     process, which the guard runs in, has it (from the environment its Ray node started
-    with: ``deploy/run.sh``'s), else ``DEFAULT_MAX_HEADER_BYTES``.
+    with: ``deploy/run.sh``'s), else the setting's default. A value that is not a positive
+    integer is logged and the default taken: raising here would take Serve's proxy, and
+    every request through it, down (the ingress refuses such a value at its start,
+    ``Settings``)."""
+    from router.config import Settings
 
-    Raises:
-        ValueError: the variable is set to something other than a positive integer.
-    """
-    raw = os.environ.get("PREFIX_ROUTER_MAX_HEADER_BYTES")
-    if raw is None or raw == "":
-        return DEFAULT_MAX_HEADER_BYTES
+    default = Settings.model_fields["max_header_bytes"].default
+    raw = os.environ.get("PREFIX_ROUTER_MAX_HEADER_BYTES", "").strip()
+    if not raw:
+        return default
     if not raw.isdigit() or int(raw) <= 0:
-        raise ValueError(f"PREFIX_ROUTER_MAX_HEADER_BYTES must be a positive integer, "
-                         f"not {raw!r}")
+        logging.getLogger(__name__).error(
+            "PREFIX_ROUTER_MAX_HEADER_BYTES=%r is not a positive integer: the header guard "
+            "takes %d", raw, default)
+        return default
     return int(raw)
 
 

@@ -46,6 +46,7 @@ from router.index.base import IndexUnavailable
 from router.logs import get_logger
 from router.policy import LIVE_POLICIES, PolicySet
 from router.prompt.render import CHAT_PATH, COMPLETIONS_PATH, PromptInfo, PromptRenderer
+from router.routing.core import replicas_without_kv_events
 from router.routing.replica import hash_mismatches
 from router.routing.sessions import session_key
 from router.serve import state
@@ -98,8 +99,10 @@ def json_object(raw: bytes) -> dict:
     # only json.loads lets a lone surrogate through (msgspec refuses it): checked only then
     where = None if strict else lone_surrogate_at(body)
     if where is not None:
-        loc, char = where
-        raise invalid_body(f"request body holds a lone UTF-16 surrogate ({char!r}) at "
+        # the path as text that UTF-8 can encode (a key may hold the surrogate itself: its
+        # JSON answer then failed to encode, a plain-text 500; a review)
+        loc = where[0].encode("utf-8", "backslashreplace").decode("utf-8")
+        raise invalid_body(f"request body holds a lone UTF-16 surrogate ({where[1]!r}) at "
                            f"{loc or 'its top level'}: it is not Unicode text, and no engine "
                            "can encode it", loc or None)
     if not isinstance(body, dict):
@@ -330,20 +333,31 @@ class IngressCore:
             self._gauges_task = asyncio.get_running_loop().create_task(self._keep_gauges())
 
     async def _keep_gauges(self, period_s: float = 5.0) -> None:
-        """Every ``period_s``: ``router_replica_hash_mismatch`` for every replica known now,
-        and ``router_admission_waiting`` (with a bound). ``router_inflight`` is kept by
-        ``metrics.set_gauge`` (handed to Ray again while unchanged: Ray's exporter drops a
-        gauge that has not been set for a while, and one set only on change vanished from
-        ``/metrics`` during long requests); a replica that left the deployment has its
-        count set to 0 once and forgotten."""
-        mismatch = metrics.get("hash_mismatch")
+        """Every ``period_s``, the gauges that describe the fleet now, idle or not:
+        ``router_replica_hash_mismatch`` per replica known now,
+        ``router_replicas_without_kv_events``, ``router_admission_waiting`` (with a bound)
+        and, on the direct path, the index's probe (``RoutingCore.probe_index``; the Ray
+        router's own loop probes on the serve path). Every gauge is set through
+        ``metrics.set_gauge``, which hands it to Ray again while unchanged (Ray's exporter
+        drops a gauge that has not been set for a while: one set only on change vanished
+        from ``/metrics``); a replica that left the deployment has its series forgotten
+        (its ``router_inflight`` once its count is 0)."""
+        mismatch: set[str] = set()
         while True:
             await asyncio.sleep(period_s)
             if self.admission.bound is not None:
                 metrics.set_gauge("admission_waiting", self.admission.waiting)
-            for info in state.replica_infos() or ():  # set again, as router_inflight
-                mismatch.set(1 if hash_mismatches(self.settings.hash_settings, info.metadata)
-                             else 0, tags={"replica": info.replica_id})
+            infos = state.replica_infos() or ()
+            for info in infos:
+                metrics.set_gauge("hash_mismatch", 1 if hash_mismatches(
+                    self.settings.hash_settings, info.metadata) else 0,
+                    tags={"replica": info.replica_id})
+            for gone in mismatch - {i.replica_id for i in infos}:
+                metrics.forget_gauge("hash_mismatch", {"replica": gone})
+            mismatch = {i.replica_id for i in infos}
+            metrics.set_gauge("replicas_without_kv_events", replicas_without_kv_events(infos))
+            if self._routing is not None:
+                await self._routing.probe_index()
             current = state.replica_ids()
             for replica, n in list(self.inflight.items()):
                 if current is not None and replica not in current and n == 0:

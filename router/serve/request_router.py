@@ -58,14 +58,11 @@ class PrefixCacheRequestRouter(RequestRouter):
             self._stats_task = asyncio.get_running_loop().create_task(self._report_index_size())
         return self._core
 
-    async def _report_index_size(self, period_s: float = 10.0) -> None:
-        """Export the index size every ``period_s`` (``router_index_entries``)."""
-        from router.index.base import IndexUnavailable
+    async def _report_index_size(self, period_s: float = 5.0) -> None:
+        """Probe the index every ``period_s`` (``RoutingCore.probe_index``:
+        ``router_index_entries``, ``router_index_available``)."""
         while True:
-            try:
-                metrics.get("index_entries").set((await self._core.index.stats()).entries)
-            except IndexUnavailable:
-                pass
+            await self._core.probe_index()
             await asyncio.sleep(period_s)
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
