@@ -222,3 +222,43 @@ async def test_the_index_probe_sets_availability_and_size_on_an_idle_router(monk
     index.down = False
     await core.probe_index()
     assert gauges["index_available"] == 1
+
+
+async def test_each_round_sets_the_fleet_gauges_and_forgets_replicas_that_left(
+        model_dir, monkeypatch):
+    """``IngressCore._set_gauges``, every 5 s, idle or not: a hash mismatch per replica
+    known now, the replicas without KV events, the index's probe; a replica that left has
+    its series forgotten (its in-flight count once it is 0)."""
+    from router import metrics
+    from router.config import Settings
+    from router.routing.replica import ReplicaInfo
+    from router.serve import state
+    from router.serve.ingress import IngressCore
+
+    gauges, forgotten = {}, []
+    monkeypatch.setattr(metrics, "set_gauge", lambda name, value, tags=None: gauges.__setitem__(
+        (name, tuple(sorted((tags or {}).items()))), value))
+    monkeypatch.setattr(metrics, "forget_gauge",
+                        lambda name, tags=None: forgotten.append((name, tags)))
+    ours = {"hash_algo": "xxhash_cbor", "block_size": 32, "seed": "0",
+            "extra_key_encoding": "vllm-0.32", "kv_events_endpoint": "tcp://x:1"}
+    other = dict(ours, hash_algo="sha256_cbor")
+    a = ReplicaInfo("a", ours, {"kv_events_live": False})
+    b = ReplicaInfo("b", other, {"kv_events_live": True})
+    state.put("replica_infos", (a, b))
+    try:
+        core = IngressCore(Settings(model=str(model_dir), index_namespace="gauges"),
+                           engine_handle=None)
+        core.routing_core()
+        core.inflight.update({"a": 0, "gone": 0, "busy": 2})
+        seen = await core._set_gauges({"gone"})
+        assert seen == {"a", "b"}
+        assert gauges[("hash_mismatch", (("replica", "a"),))] == 0
+        assert gauges[("hash_mismatch", (("replica", "b"),))] == 1
+        assert gauges[("replicas_without_kv_events", ())] == 1
+        assert gauges[("index_available", ())] == 1
+        assert ("hash_mismatch", {"replica": "gone"}) in forgotten
+        assert ("inflight", {"replica": "gone"}) in forgotten
+        assert "busy" in core.inflight and "gone" not in core.inflight  # 2 still in flight
+    finally:
+        state.put("replica_infos", None)

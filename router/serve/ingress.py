@@ -345,24 +345,32 @@ class IngressCore:
         mismatch: set[str] = set()
         while True:
             await asyncio.sleep(period_s)
-            if self.admission.bound is not None:
-                metrics.set_gauge("admission_waiting", self.admission.waiting)
-            infos = state.replica_infos() or ()
-            for info in infos:
-                metrics.set_gauge("hash_mismatch", 1 if hash_mismatches(
-                    self.settings.hash_settings, info.metadata) else 0,
-                    tags={"replica": info.replica_id})
-            for gone in mismatch - {i.replica_id for i in infos}:
-                metrics.forget_gauge("hash_mismatch", {"replica": gone})
-            mismatch = {i.replica_id for i in infos}
-            metrics.set_gauge("replicas_without_kv_events", replicas_without_kv_events(infos))
-            if self._routing is not None:
-                await self._routing.probe_index()
-            current = state.replica_ids()
-            for replica, n in list(self.inflight.items()):
-                if current is not None and replica not in current and n == 0:
-                    del self.inflight[replica]
-                    metrics.forget_gauge("inflight", {"replica": replica})
+            try:
+                mismatch = await self._set_gauges(mismatch)
+            except Exception:  # a bug here must not end the gauges for good
+                logger.exception("fleet gauges not set")
+
+    async def _set_gauges(self, mismatch: set[str]) -> set[str]:
+        """One round of ``_keep_gauges``; ``mismatch``: the replicas whose
+        ``router_replica_hash_mismatch`` the last round set. Returns this round's."""
+        if self.admission.bound is not None:
+            metrics.set_gauge("admission_waiting", self.admission.waiting)
+        infos = state.replica_infos() or ()
+        for info in infos:
+            metrics.set_gauge("hash_mismatch", 1 if hash_mismatches(
+                self.settings.hash_settings, info.metadata) else 0,
+                tags={"replica": info.replica_id})
+        for gone in mismatch - {i.replica_id for i in infos}:
+            metrics.forget_gauge("hash_mismatch", {"replica": gone})
+        metrics.set_gauge("replicas_without_kv_events", replicas_without_kv_events(infos))
+        if self._routing is not None:
+            await self._routing.probe_index()
+        current = state.replica_ids()
+        for replica, n in list(self.inflight.items()):
+            if current is not None and replica not in current and n == 0:
+                del self.inflight[replica]
+                metrics.forget_gauge("inflight", {"replica": replica})
+        return {i.replica_id for i in infos}
 
     def check_tokens_body(self, path: str, body: dict) -> None:
         """Refuse, before an engine spends on it, a ``/tokenize`` body with more text than

@@ -62,7 +62,10 @@ class PrefixCacheRequestRouter(RequestRouter):
         """Probe the index every ``period_s`` (``RoutingCore.probe_index``:
         ``router_index_entries``, ``router_index_available``)."""
         while True:
-            await self._core.probe_index()
+            try:
+                await self._core.probe_index()
+            except Exception:  # a bug here must not end the probes for good
+                logger.exception("index probe failed")
             await asyncio.sleep(period_s)
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
