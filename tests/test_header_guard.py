@@ -19,7 +19,9 @@ def test_the_headers_rays_proxy_decodes_must_be_utf8():
     assert undecodable_header([(b"x-\xe9", b"v")]) == "x-\xe9"  # a name: always decoded
 
 
-async def test_the_guard_answers_400_in_the_openai_shape_and_passes_the_rest():
+def _recording_guard():
+    """A ``HeaderGuard`` around an app that records the scopes it is called with, and an
+    ASGI ``send`` that records the messages: (guard, scopes, messages, send)."""
     calls, sent = [], []
 
     async def app(scope, receive, send):
@@ -28,7 +30,11 @@ async def test_the_guard_answers_400_in_the_openai_shape_and_passes_the_rest():
     async def send(message):
         sent.append(message)
 
-    guard = HeaderGuard(app)
+    return HeaderGuard(app), calls, sent, send
+
+
+async def test_the_guard_answers_400_in_the_openai_shape_and_passes_the_rest():
+    guard, calls, sent, send = _recording_guard()
     await guard({"type": "http", "headers": [(b"x-session-id", b"\xff")]}, None, send)
     assert not calls and sent[0]["status"] == 400
     body = json.loads(sent[1]["body"])
@@ -46,15 +52,7 @@ async def test_headers_over_the_limit_get_a_431_in_the_openai_shape(monkeypatch)
     from router.config import Settings
     from router.serve.header_guard import max_header_bytes
 
-    calls, sent = [], []
-
-    async def app(scope, receive, send):
-        calls.append(scope)
-
-    async def send(message):
-        sent.append(message)
-
-    guard = HeaderGuard(app)
+    guard, calls, sent, send = _recording_guard()
     assert guard.limit == Settings().max_header_bytes == 65536
     big = [(b"x-pad-%d" % i, b"v" * 8000) for i in range(9)]  # 72 KB
     await guard({"type": "http", "headers": big}, None, send)
@@ -65,7 +63,7 @@ async def test_headers_over_the_limit_get_a_431_in_the_openai_shape(monkeypatch)
     await guard({"type": "http", "headers": big[:7]}, None, send)  # 56 KB: passed on
     assert len(calls) == 1 and len(sent) == 2
     monkeypatch.setenv("PREFIX_ROUTER_MAX_HEADER_BYTES", "200000")
-    assert max_header_bytes() == 200000 and HeaderGuard(app).limit == 200000
+    assert max_header_bytes() == 200000 and _recording_guard()[0].limit == 200000
     for bad in ("0", "-5", "1e5", "lots"):  # logged, the default taken: the proxy stays up
         monkeypatch.setenv("PREFIX_ROUTER_MAX_HEADER_BYTES", bad)
         assert max_header_bytes() == 65536
