@@ -485,7 +485,7 @@ def test_replica_without_kv_events_is_reported_and_still_served(faults_app, toke
                    for r in replicas(faults_app))
     wait_until(reported, 60, 1.0, "replica B reported without KV events")
 
-    def gauge():  # every router sets it when it decides: keep traffic flowing
+    def gauge():  # every ingress sets it every 5 s once it has dispatched: keep traffic flowing
         faults_app.client.post("/v1/chat/completions", json=chat_body("g", "g"))
         return "router_replicas_without_kv_events 1.0" in faults_app.client.get("/metrics").text
     try:
