@@ -156,16 +156,16 @@ def engine_replicas_configured(settings, deployment: dict | None) -> int:
     ``deployments:`` override of ``num_replicas`` (applied in place, the application's
     arguments unchanged) is counted; ``settings.configured_replicas`` (``num_replicas``, or
     with autoscaling ``min_replicas``) while Serve's status is not known or the deployment
-    is still being deployed or updated. ``deployment``: ``{"status": "DeploymentStatus.X"
-    or "X", "replica_states": {state: count}}`` or None."""
+    is still being deployed or updated. ``deployment``: ``{"status": "X", "replica_states":
+    {state: count}}`` (Serve's enums or their names, ``_enum_name``) or None."""
     if deployment is None or settings.autoscaling_config is not None \
             or not settings.engines_in_ray:
         return settings.configured_replicas
-    status = str(deployment.get("status", "")).rsplit(".", 1)[-1]
+    status = _enum_name(deployment.get("status", ""))
     if status not in _SETTLED_DEPLOYMENT_STATES:
         return settings.configured_replicas
     kept = sum(int(n) for st, n in (deployment.get("replica_states") or {}).items()
-               if str(st).rsplit(".", 1)[-1] in _KEPT_REPLICA_STATES)
+               if _enum_name(st) in _KEPT_REPLICA_STATES)
     return kept or settings.configured_replicas
 
 
