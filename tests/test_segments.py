@@ -199,3 +199,27 @@ def test_a_piece_cached_for_one_cache_salt_is_not_found_by_another(model_dir):
         probe = render(other)
         assert probe.rest is not None and r.segments.hits == hits, other  # not found
         assert probe.num_tokens == estimate != again.num_tokens  # the estimate, not exact
+
+
+def test_a_renderer_that_does_not_preload_vllms_model_validates_tools_all_the_same(
+        renderer, model_dir):
+    """The simulated engine's renderer leaves vLLM's request model (2.7 s of imports) to
+    the first request with tools: that request is rendered as by a renderer that loaded it
+    at start-up, tool defaults filled in by vLLM's model (without it, the template would
+    see the tool as sent)."""
+    from router.prompt import render as render_module
+    render_module._vllm_chat_request_model.cache_clear()
+    lazy = PromptRenderer(str(model_dir), preload_request_model=False)
+    assert render_module._vllm_chat_request_model.cache_info().currsize == 0
+    plain = {"model": "m", "messages": [{"role": "user", "content": "hello"}]}
+    assert lazy.render(CHAT_PATH, plain).token_ids == renderer.render(CHAT_PATH,
+                                                                      plain).token_ids
+    assert render_module._vllm_chat_request_model.cache_info().currsize == 0
+    body = {**plain, "tools": [{"type": "function", "function": {"name": "f"}}]}
+    ids = lazy.render(CHAT_PATH, body).token_ids
+    assert render_module._vllm_chat_request_model.cache_info().currsize == 1
+    assert ids == renderer.render(CHAT_PATH, body).token_ids
+    raw = renderer.tokenizer.apply_chat_template(plain["messages"], tools=body["tools"],
+                                                 tokenize=False, add_generation_prompt=True)
+    text = renderer.tokenizer.decode(ids)
+    assert '"description": null' in text and text != raw  # vLLM's defaults, filled in

@@ -168,9 +168,11 @@ def _parse_tool_calls(calls: Any) -> list[dict] | None:
     return out
 
 
+@functools.cache
 def _vllm_chat_request_model():
     """vLLM's own ``ChatCompletionRequest`` when vLLM is installed (it is wherever engines
-    run); rendering then sees the request exactly as the engine's server does."""
+    run), else None; rendering then sees the request exactly as the engine's server does.
+    Imported once per process (about 2.7 s of vLLM's modules on the 2-core VM)."""
     try:
         from vllm.entrypoints.openai.chat_completion.protocol import (
             ChatCompletionRequest,
@@ -186,16 +188,21 @@ class PromptRenderer:
     Args:
         tokenizer_path: a directory with ``tokenizer.json`` and ``tokenizer_config.json``
             (the engine's own files).
+        preload_request_model: import vLLM's request model (which validates requests with
+            tools) now, at start-up, rather than on the first such request, where its
+            import would hold the caller for seconds; False for a process that rarely
+            sees tools and starts often (the simulated engine).
     Raises:
         OSError / ValueError: the tokenizer cannot be loaded (a start-up error: the router
             must not run without it, docs/fault-cases.md 8.2).
     """
 
-    def __init__(self, tokenizer_path: str):
+    def __init__(self, tokenizer_path: str, preload_request_model: bool = True):
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        self._vllm_request = _vllm_chat_request_model()
+        if preload_request_model:
+            _vllm_chat_request_model()
         self._lock = threading.Lock()  # HF fast tokenizers are not re-entrant across threads
         self.segments = SegmentEncoder(self.tokenizer)
         self._special_affixes = self._find_special_affixes() if self.segments.usable else None
@@ -256,13 +263,14 @@ class PromptRenderer:
     def _render_chat(self, body: dict[str, Any], head_chars: int = 0) -> PromptInfo:
         tools = body.get("tools") or None
         messages = body.get("messages")
-        if self._vllm_request is not None and (tools is not None or _has_tool_calls(messages)):
+        if (tools is not None or _has_tool_calls(messages)) \
+                and (request_model := _vllm_chat_request_model()) is not None:
             # Validate as the engine does: its pydantic models fix the key order of
             # tool calls and fill tools' defaults, and both reach the template. Only then:
             # the rest of a message reaches the template as sent, and the validation
             # took about 4 % of the ingress's CPU per request (loadtest.router_throughput's
             # profile).
-            req = self._vllm_request.model_validate(body)
+            req = request_model.model_validate(body)
             messages = req.messages
             tools = [t.model_dump() for t in req.tools] if req.tools else None
         if not isinstance(messages, list) or not messages:
