@@ -113,31 +113,50 @@ class Service:
 class EngineServer:
     """An OpenAI-compatible engine server in a process of its own on a loopback port: the
     simulated engine (``sim(model_dir, *args)``) or any command, started and waited for
-    until ``GET <url><ready_path>`` answers 200 (``wait_until``, ``timeout_s``)."""
+    until ``GET <url><ready_path>`` answers 200 (``wait_until``, ``timeout_s``); with
+    ``wait=False`` the caller waits (``ready()``), so that several start at once."""
 
     def __init__(self, cmd: list[str], port: int, ready_path: str = "/health",
-                 timeout_s: float = 60.0, **popen):
+                 timeout_s: float = 60.0, wait: bool = True, **popen):
         self.port, self.url = port, f"http://127.0.0.1:{port}"
+        self.ready_path, self.timeout_s = ready_path, timeout_s
         self.proc = subprocess.Popen(cmd, cwd=ROOT, **popen)
+        if wait:
+            self.ready()
 
+    def ready(self) -> "EngineServer":
+        """Wait until the server answers its ready path (stopped if it does not in time)."""
         def up():
             try:
-                return httpx.get(self.url + ready_path, timeout=2).status_code == 200
+                return httpx.get(self.url + self.ready_path, timeout=2).status_code == 200
             except httpx.HTTPError:
                 return False
         try:
-            wait_until(up, timeout_s, 0.2, f"the engine at {self.url}")
+            wait_until(up, self.timeout_s, 0.2, f"the engine at {self.url}")
         except BaseException:
             self.stop()
             raise
+        return self
 
     @classmethod
-    def sim(cls, model_dir, *args: str, **popen) -> "EngineServer":
+    def sim(cls, model_dir, *args: str, wait: bool = True, **popen) -> "EngineServer":
         """The simulated engine of the tiny model, with ``args`` (``replicas.sim.server``)."""
         port = free_port()
         return cls([sys.executable, "-m", "replicas.sim.server", "--port", str(port),
                     "--model", str(model_dir), "--served-model-name", "tiny-qwen2", *args],
-                   port, **popen)
+                   port, wait=wait, **popen)
+
+    @classmethod
+    def sims(cls, model_dir, *arg_lists: list[str]) -> list["EngineServer"]:
+        """One simulated engine per list of ``args``, started at once, each ready (all
+        stopped if one is not)."""
+        started = [cls.sim(model_dir, *args, wait=False) for args in arg_lists]
+        try:
+            return [e.ready() for e in started]
+        except BaseException:
+            for e in started:
+                e.stop()
+            raise
 
     def stop(self) -> None:
         self.proc.terminate()

@@ -22,21 +22,23 @@ from router.index.redis import RedisPrefixIndex
 from tests.conftest import REDIS_URL, EngineServer
 
 
-def sim_with_tcp_events(model_dir, hash_seed: str = "0") -> tuple[EngineServer,
-                                                                   ExternalEngine]:
-    """A simulated engine in a process of its own, publishing KV events on TCP, and how
-    the router lists it."""
-    pub, rep = free_port(), free_port()
-    engine = EngineServer.sim(model_dir, "--hash-seed", hash_seed, "--kv-events-config",
-                              json.dumps({"endpoint": f"tcp://*:{pub}",
-                                          "replay_endpoint": f"tcp://*:{rep}"}))
-    return engine, ExternalEngine(url=engine.url, kv_events_endpoint=f"tcp://127.0.0.1:{pub}",
-                                  kv_replay_endpoint=f"tcp://127.0.0.1:{rep}")
+def sims_with_tcp_events(model_dir, *hash_seeds: str) -> list[tuple[EngineServer,
+                                                                     ExternalEngine]]:
+    """Simulated engines in processes of their own (one per hash seed, started at once),
+    publishing KV events on TCP, and how the router lists each."""
+    ports = [(free_port(), free_port()) for _ in hash_seeds]
+    engines = EngineServer.sims(model_dir, *(
+        ["--hash-seed", seed, "--kv-events-config",
+         json.dumps({"endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{rep}"})]
+        for seed, (pub, rep) in zip(hash_seeds, ports)))
+    return [(e, ExternalEngine(url=e.url, kv_events_endpoint=f"tcp://127.0.0.1:{pub}",
+                               kv_replay_endpoint=f"tcp://127.0.0.1:{rep}"))
+            for e, (pub, rep) in zip(engines, ports)]
 
 
 @pytest.fixture(scope="module")
 def sims(model_dir):
-    same, other = sim_with_tcp_events(model_dir), sim_with_tcp_events(model_dir, hash_seed="7")
+    same, other = sims_with_tcp_events(model_dir, "0", "7")
     yield {"same": same[1], "other": other[1]}
     same[0].stop()
     other[0].stop()

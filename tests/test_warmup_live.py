@@ -69,7 +69,7 @@ async def _run(model_dir, a: EngineServer, b: EngineServer, warm: bool) -> tuple
 
 
 async def test_a_joining_replica_is_warmed_with_the_hot_system_prompt(model_dir):
-    a, b_cold, b_warm = (EngineServer.sim(model_dir) for _ in range(3))
+    a, b_cold, b_warm = EngineServer.sims(model_dir, [], [], [])
     try:
         cold, _ = await _run(model_dir, a, b_cold, warm=False)
         warm, stats = await _run(model_dir, a, b_warm, warm=True)
