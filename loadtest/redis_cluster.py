@@ -18,7 +18,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from loadtest.service import free_port
+from loadtest.service import free_ports
 
 
 def _die_with_parent() -> None:
@@ -72,11 +72,7 @@ class LocalRedisCluster:
 
     def _start(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        ports: list[int] = []
-        while len(ports) < 2 * self.masters:  # a node's port and its bus port, all distinct
-            p = free_port()
-            if p not in ports:
-                ports.append(p)
+        ports = free_ports(2 * self.masters)  # a node's port and its bus port, all distinct
         for k in range(self.masters):
             port, bus = ports[2 * k], ports[2 * k + 1]
             self.bus_ports.append(bus)

@@ -467,7 +467,7 @@ class Stack:
                  profile_path: str | None = None, ready_timeout_s: float = 120.0,
                  cluster_nodes: list[str] | None = None, shard_groups: int | None = None):
         from deploy.make_model import ensure_model
-        from loadtest.service import free_port
+        from loadtest.service import free_ports
         from router.config import DEFAULT_MODEL_DIR
 
         ensure_model(DEFAULT_MODEL_DIR)
@@ -478,8 +478,8 @@ class Stack:
         self.cluster = cluster_nodes is not None
         self.namespace = f"rps-{uuid.uuid4().hex[:8]}"
         self.ctx = mp.get_context("spawn")
-        self.engine_ports = [free_port() for _ in range(engines)]
-        self.ingress_ports = [free_port() for _ in range(ingress)]
+        ports = free_ports(engines + ingress)  # distinct: all are bound later
+        self.engine_ports, self.ingress_ports = ports[:engines], ports[engines:]
         self.urls = [f"http://127.0.0.1:{p}" for p in self.ingress_ports]
         self.engine_urls = [f"http://127.0.0.1:{p}" for p in self.engine_ports]
         self.settings = {"model": self.model_dir, "redis_url": redis_url,

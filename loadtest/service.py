@@ -3,17 +3,12 @@ on loopback, started by the benchmark scripts that need one (``--url`` skips it)
 
 from __future__ import annotations
 
-import socket
 import time
 
 import httpx
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from replicas.engine import free_port, free_ports  # noqa: F401  (the benchmarks' ports)
 
 
 def start_service(num_replicas: int, redis_url: str | None, num_cpus: int = 4,

@@ -76,9 +76,20 @@ _GUARD_GRACE_S = 8.0  # the guard's SIGTERM-to-SIGKILL time, inside stop()'s gra
 
 def free_port(host: str = "127.0.0.1") -> int:
     """An unused TCP port on ``host`` (bind to port 0 and read it back)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(1, host)[0]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """``n`` distinct unused TCP ports on ``host``, bound together and read back: asked
+    one at a time, a port handed out but not yet taken by its server may come again."""
+    socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _has_weights(model_dir: str) -> bool:
@@ -113,9 +124,9 @@ class EnginePorts:
         """A free HTTP port and per-engine event endpoints: TCP ports on every interface
         with ``tcp``, else IPC socket files under ``directory``, or abstract sockets (no
         file) without one."""
-        if tcp:
-            return cls(http=free_port(), kv_events=f"tcp://*:{free_port('0.0.0.0')}",
-                       kv_replay=f"tcp://*:{free_port('0.0.0.0')}")
+        if tcp:  # free on every interface, so on loopback too
+            http, events, replay = free_ports(3, "0.0.0.0")
+            return cls(http=http, kv_events=f"tcp://*:{events}", kv_replay=f"tcp://*:{replay}")
         safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
         if directory:
             d = Path(directory)

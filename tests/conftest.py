@@ -20,7 +20,7 @@ import pytest
 import ray  # noqa: F401
 import redis
 
-from loadtest.service import free_port  # noqa: F401  (the tests' loopback ports too)
+from loadtest.service import free_port, free_ports  # noqa: F401  (the tests' loopback ports)
 
 # Ray is imported here, once, before any test: otherwise the first flush of the router's
 # metrics (router.metrics, on a thread of its own) imports it in the middle of a test, and
@@ -139,18 +139,22 @@ class EngineServer:
         return self
 
     @classmethod
-    def sim(cls, model_dir, *args: str, wait: bool = True, **popen) -> "EngineServer":
-        """The simulated engine of the tiny model, with ``args`` (``replicas.sim.server``)."""
-        port = free_port()
+    def sim(cls, model_dir, *args: str, wait: bool = True, port: int | None = None,
+            **popen) -> "EngineServer":
+        """The simulated engine of the tiny model, with ``args`` (``replicas.sim.server``),
+        on ``port`` (default: a free one)."""
+        port = port or free_port()
         return cls([sys.executable, "-m", "replicas.sim.server", "--port", str(port),
                     "--model", str(model_dir), "--served-model-name", "tiny-qwen2", *args],
                    port, wait=wait, **popen)
 
     @classmethod
     def sims(cls, model_dir, *arg_lists: list[str]) -> list["EngineServer"]:
-        """One simulated engine per list of ``args``, started at once, each ready (all
-        stopped if one is not)."""
-        started = [cls.sim(model_dir, *args, wait=False) for args in arg_lists]
+        """One simulated engine per list of ``args``, started at once (on distinct free
+        ports), each ready (all stopped if one is not)."""
+        ports = free_ports(len(arg_lists))
+        started = [cls.sim(model_dir, *args, wait=False, port=port)
+                   for args, port in zip(arg_lists, ports)]
         try:
             return [e.ready() for e in started]
         except BaseException:

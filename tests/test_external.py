@@ -13,7 +13,7 @@ import httpx
 import pytest
 import redis
 
-from replicas.engine import free_port
+from replicas.engine import free_ports
 from replicas.external import ExternalFleet, read_engines_file
 from router.config import ExternalEngine, Settings
 from router.index.base import IndexUnavailable
@@ -26,7 +26,8 @@ def sims_with_tcp_events(model_dir, *hash_seeds: str) -> list[tuple[EngineServer
                                                                      ExternalEngine]]:
     """Simulated engines in processes of their own (one per hash seed, started at once),
     publishing KV events on TCP, and how the router lists each."""
-    ports = [(free_port(), free_port()) for _ in hash_seeds]
+    free = free_ports(2 * len(hash_seeds))
+    ports = list(zip(free[::2], free[1::2]))
     engines = EngineServer.sims(model_dir, *(
         ["--hash-seed", seed, "--kv-events-config",
          json.dumps({"endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{rep}"})]
