@@ -7,7 +7,6 @@ import time
 
 import httpx
 
-
 from replicas.engine import free_port, free_ports  # noqa: F401  (the benchmarks' ports)
 
 

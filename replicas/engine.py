@@ -81,7 +81,11 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     """``n`` distinct unused TCP ports on ``host``, bound together and read back: asked
-    one at a time, a port handed out but not yet taken by its server may come again."""
+    one at a time, a port handed out but not yet taken by its server may come again.
+
+    Raises:
+        OSError: ``host`` is not an address of this machine, or no port is left.
+    """
     socks = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
     try:
         for s in socks:
