@@ -149,10 +149,12 @@ class EngineServer:
                    port, wait=wait, **popen)
 
     @classmethod
-    def sims(cls, model_dir, *arg_lists: list[str]) -> list["EngineServer"]:
-        """One simulated engine per list of ``args``, started at once (on distinct free
-        ports), each ready (all stopped if one is not)."""
-        ports = free_ports(len(arg_lists))
+    def sims(cls, model_dir, *arg_lists: list[str],
+             ports: list[int] | None = None) -> list["EngineServer"]:
+        """One simulated engine per list of ``args``, started at once, each ready (all
+        stopped if one is not); on ``ports`` (default: distinct free ones; a caller that
+        needs more free ports for the same engines takes them all in one ``free_ports``)."""
+        ports = ports or free_ports(len(arg_lists))
         started = [cls.sim(model_dir, *args, wait=False, port=port)
                    for args, port in zip(arg_lists, ports)]
         try:

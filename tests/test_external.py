@@ -26,12 +26,12 @@ def sims_with_tcp_events(model_dir, *hash_seeds: str) -> list[tuple[EngineServer
                                                                      ExternalEngine]]:
     """Simulated engines in processes of their own (one per hash seed, started at once),
     publishing KV events on TCP, and how the router lists each."""
-    free = free_ports(2 * len(hash_seeds))
-    ports = list(zip(free[::2], free[1::2]))
+    free = free_ports(3 * len(hash_seeds))  # one call: HTTP and event ports all distinct
+    ports = list(zip(free[::3], free[1::3]))
     engines = EngineServer.sims(model_dir, *(
         ["--hash-seed", seed, "--kv-events-config",
          json.dumps({"endpoint": f"tcp://*:{pub}", "replay_endpoint": f"tcp://*:{rep}"})]
-        for seed, (pub, rep) in zip(hash_seeds, ports)))
+        for seed, (pub, rep) in zip(hash_seeds, ports)), ports=free[2::3])
     return [(e, ExternalEngine(url=e.url, kv_events_endpoint=f"tcp://127.0.0.1:{pub}",
                                kv_replay_endpoint=f"tcp://127.0.0.1:{rep}"))
             for e, (pub, rep) in zip(engines, ports)]

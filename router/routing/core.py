@@ -820,6 +820,7 @@ async def route_request(core: RoutingCore, req, replicas: Sequence[ReplicaInfo],
     from router import metrics
 
     pool = [r for r in replicas if r.replica_id not in req.excluded_replicas] or list(replicas)
+
     def decide(head: bool):
         return core.decide(req.request_id, req.prompt_tokens, req.block_hashes, pool,
                            cacheable=bool(req.block_hashes), policy=policy,
