@@ -321,11 +321,14 @@ class Simulation:
                                  settings.warmup_top_prefixes)
 
     def _infos(self) -> list[ReplicaInfo]:
-        """The active replicas as routing sees them."""
+        """The active replicas as routing sees them; an engine's cached tokens are the
+        block hashes its pool holds, as its replica's event feed counts them."""
+        bs = self.cfg.engine.block_size
         return [ReplicaInfo(n, _NO_METADATA, RoutingStats(
                     waiting=self.engines[n].num_waiting,
                     kv_usage_frac=self.engines[n].pool.usage,
-                    kv_capacity_tokens=self.cfg.engine.num_blocks * self.cfg.engine.block_size,
+                    kv_capacity_tokens=self.cfg.engine.num_blocks * bs,
+                    kv_cached_tokens=len(self.engines[n].pool.cached) * bs,
                     active_blocks=self.active_blocks[n])) for n in self.active]
 
     def _gpu_share(self, replica: str) -> int:

@@ -97,6 +97,11 @@ class EngineWatch:
             kv_events_live=feed.health.live(time.time()), kv_event_batches=feed.batches,
             kv_event_gaps=feed.subscriber.gaps, kv_event_lag_s=feed.health.lag_s(),
             index_dirty=feed.dirty)
+        if events.get("kv_events_live"):
+            # one engine's share, as kv_capacity_tokens is (the server's engines alike)
+            held = await feed.record.exact_entry_count(self.replica_id)
+            events["kv_cached_tokens"] = (held * self.settings.block_size
+                                          // max(snap.engines, 1))
         self.stats = RoutingStats(
             prefill_tokens_per_s=self.rate.update(snap), prefill_rate_measured=self.rate.measured,
             **({"kv_events_live": False} | events), engine_pid=engine_pid,

@@ -65,6 +65,7 @@ async def test_an_engine_that_hashes_otherwise_is_routed_on_predicted_entries_on
         watch = fleet.replicas[sims["same"].replica_id].watch
         # the poll scraped (the autoscaler reuses that scrape): it is no older than the poll
         assert watch.scrape_age_s() <= polled_s
+        again = {i.replica_id: i for i in await fleet.poll()}  # scraped after the probe
     finally:
         await fleet.stop()
     same, other = sims["same"].replica_id, sims["other"].replica_id
@@ -75,7 +76,13 @@ async def test_an_engine_that_hashes_otherwise_is_routed_on_predicted_entries_on
     assert infos[other].metadata.engine_url == sims["other"].url
     # the probe's blocks are indexed for the engine that hashes alike, none for the other
     assert index.exact_entries(same) and not index.exact_entries(other)
-    assert published and published[-1] == tuple(infos.values())
+    assert published and published[-1] == tuple(again.values())
+    # the cached KV the cost model's eviction term reads: the blocks the engine's events
+    # hold; unknown without live events
+    assert again[same].stats.kv_events_live is True
+    assert again[same].stats.kv_cached_tokens == (len(index.exact_entries(same))
+                                                  * settings.block_size)
+    assert again[other].stats.kv_cached_tokens is None
 
 
 async def test_polls_through_the_data_paths_client_keep_a_connection_to_each_engine_open(

@@ -113,6 +113,31 @@ def test_prefix_aware_charges_the_kv_a_request_cannot_fit():
     assert p.choose(r, full).replica == "a"
 
 
+def test_prefix_aware_charges_the_cached_prefixes_a_request_evicts():
+    """A prompt of 6,000 tokens whose first 1,600 "a" holds: without the caches' state
+    "a" wins (its hit). With "a"'s cache full of other prefixes and "b"'s empty, "a"
+    would evict 4,400 cached tokens and "b" none
+    (``PrefixAware.evicted_tokens``), and "b" wins. The prefill queued on a replica takes
+    its empty blocks first; an unknown state charges nothing."""
+    p = PrefixAware(random.Random(0))
+    r = RouteRequest(6000, BS, 6000 // BS, expected_output_tokens=100)
+    a = dict(matched_blocks=50)
+    assert p.choose(r, [Candidate("a", **a), Candidate("b")]).replica == "a"
+    full = Candidate("a", **a, kv_capacity_tokens=100_000, kv_cached_tokens=100_000)
+    empty = Candidate("b", kv_capacity_tokens=100_000, kv_cached_tokens=0)
+    assert full.kv_empty_tokens == 0 and empty.kv_empty_tokens == 100_000
+    assert p.evicted_tokens(r, full) == 6000 - 1600
+    assert p.evicted_tokens(r, empty) == 0
+    assert p.choose(r, [full, empty]).replica == "b"
+    queued = Candidate("b", load=ReplicaLoad(prefill_tokens=97_000),
+                       kv_capacity_tokens=100_000, kv_cached_tokens=0)
+    assert p.evicted_tokens(r, queued) == 6000 - 3000
+    assert p.evicted_tokens(r, Candidate("b", kv_capacity_tokens=100_000)) == 0
+    assert p.evicted_tokens(r, Candidate("b", kv_cached_tokens=0)) == 0
+    p.eviction = 0.0
+    assert p.choose(r, [full, empty]).replica == "a"
+
+
 async def test_misses_are_decided_by_load_not_by_cache_size():
     """docs/fault-cases.md 1.1: new prompts go to the idle replica holding a big cache, not to the
     busy replica whose index entry is small."""

@@ -160,6 +160,46 @@ async def test_lua_charges_kv_that_will_not_fit_as_the_python_policy(redis_pair)
     assert moved >= 3
 
 
+async def test_lua_charges_the_cache_it_evicts_as_the_python_policy(redis_pair):
+    """The eviction term (``PrefixAware.evicted_tokens``): engines whose caches are full,
+    nearly full or empty, some of unknown state; the script and the policy choose alike,
+    and the term changes the choice in some trials (so this test fails if the script
+    leaves it out)."""
+    index, load, clock = redis_pair
+    rng = random.Random(9)
+    replicas = ["r0", "r1", "r2", "r3"]
+    moved = 0
+    for trial in range(80):
+        prefix = [6 * 10**8 + trial * 1000 + i for i in range(rng.randrange(4, 200))]
+        await random_holdings(index, load, rng, replicas, prefix, f"ebg{trial}", 2, 800)
+        prompt = len(prefix) * BS + rng.randrange(0, 40)
+        out = rng.randrange(0, 60)
+        capacity = {r: rng.choice([None, 8192, 65536]) for r in replicas}
+        cached = {r: rng.choice([None, 0, 8192, 65536]) for r in replicas}
+        u = rng.random()
+        policy = PrefixAware(random.Random())
+        policy.rng.random = lambda: u
+        loads = await load.loads(replicas)
+        matched = await index.lookup(prefix, replicas)
+        cands = [Candidate(r, matched[r], loads[r], 20000.0, 0.005,
+                           kv_capacity_tokens=capacity[r], kv_cached_tokens=cached[r])
+                 for r in replicas]
+        req = RouteRequest(prompt, BS, len(prefix), expected_output_tokens=out)
+        expected = policy.choose(req, cands).replica
+        policy.eviction = 0.0
+        moved += policy.choose(req, cands).replica != expected
+        policy.eviction = 1.0
+        chosen, _ = await AtomicRoute(index, load).route(
+            f"ereq{trial}", prompt, prefix, replicas, [15.0] * 4, **route_kwargs(policy, u),
+            expected_output_tokens=out, eviction=1.0,
+            kv_empty_tokens=[c.kv_empty_tokens for c in cands])
+        assert chosen == expected, (trial, matched, loads, capacity, cached)
+        # each trial's loads its own (accumulated, they would outweigh the term)
+        for name in [f"ereq{trial}"] + [f"ebg{trial}-{r}-0" for r in replicas]:
+            await load.release(name)
+    assert moved >= 3
+
+
 async def test_lua_places_a_new_prefix_as_the_python_policy(redis_pair):
     """A prefix no replica holds: both count the candidates' decaying new-prefix
     placements alike (``PrefixAware.expected_inflight``), choose alike, and the choice's

@@ -28,11 +28,12 @@
 --   refreshed with the reservation so that no lease exists without a live heartbeat
 --   (another router's sweep would otherwise release a new router's first leases),
 --   18 max_inflight (the admission bound caps the bounded load; 0: none), 19 running_weight,
---   20 interference, 21 expected output tokens, 22 placement window (ms), 23 kv_pressure
---   (PrefixAware's parameters and RouteRequest.expected_output_tokens and
+--   20 interference, 21 expected output tokens, 22 placement window (ms), 23 kv_pressure,
+--   24 eviction (PrefixAware's parameters and RouteRequest.expected_output_tokens and
 --   placement_window_s), then per candidate its predicted TTL (ms), then per candidate
---   its engine's free KV tokens (Candidate.kv_free_tokens; -1: unknown), then the n
---   candidate ids
+--   its engine's free KV tokens (Candidate.kv_free_tokens; -1: unknown), then per
+--   candidate its engine's KV that holds no block (Candidate.kv_empty_tokens; -1:
+--   unknown), then the n candidate ids
 --   ("route_head" is "route" for the blocks of a long prompt's head, whose rest the router
 --   has not tokenized: when a candidate holds every one of them, its match may go on past
 --   the head, and the script returns {-1, matched blocks per candidate...} having decided,
@@ -230,14 +231,14 @@ local function held_prefix(xkey, pkey, half)
   end
   return nblocks, fresh or nblocks, bound
 end
-local F = 23  -- route mode: fixed arguments before the per-candidate ones (TTLs, free KV, ids)
+local F = 24  -- route mode: fixed arguments before the per-candidate ones (TTLs, free KV, empty KV, ids)
 --! include roots.lua
 -- Only the candidates among the prompt's root holders are walked: the others hold none of
 -- it (roots.lua's invariant). A holder found holding nothing is dropped from the list (once
 -- its root has been gone for ROOTS_SLACK_MS).
 local roots = KEYS[#KEYS]
 local ids = {}
-for j = 1, nc do ids[j] = mode == 'lookup' and ARGV[4 + j] or ARGV[F + 2 * nc + j] end
+for j = 1, nc do ids[j] = mode == 'lookup' and ARGV[4 + j] or ARGV[F + 3 * nc + j] end
 local holders = false
 if nblocks > 0 then
   upto(1)
@@ -301,11 +302,13 @@ local running_weight = tonumber(ARGV[19]); local interference = tonumber(ARGV[20
 local out_tokens = tonumber(ARGV[21])
 local window = tonumber(ARGV[22])
 local kv_pressure = tonumber(ARGV[23])
-local cands, ttls, kv_free = {}, {}, {}
+local eviction = tonumber(ARGV[24])
+local cands, ttls, kv_free, kv_empty = {}, {}, {}, {}
 for j = 1, nc do
   ttls[j] = tonumber(ARGV[F + j])
   kv_free[j] = tonumber(ARGV[F + nc + j])
-  cands[j] = ARGV[F + 2 * nc + j]
+  kv_empty[j] = tonumber(ARGV[F + 2 * nc + j])
+  cands[j] = ids[j]
 end
 local replicas_set = KEYS[2 * nc + 1]; local load = KEYS[2 * nc + 2]
 local leases = KEYS[2 * nc + 3]; local heartbeat = KEYS[2 * nc + 4]
@@ -390,6 +393,11 @@ for j = 1, nc do
   if kv_free[j] >= 0 then
     local over = math.max(unc + out_tokens - math.max(kv_free[j] - math.max(q, 0), 0), 0)
     cost[j] = cost[j] + kv_pressure * (1 + ww + m) * over / rate
+  end
+  -- the cached prefixes it evicts (PrefixAware.evicted_tokens)
+  if kv_empty[j] >= 0 then
+    local evicted = math.max(unc - math.max(kv_empty[j] - math.max(q, 0), 0), 0)
+    cost[j] = cost[j] + eviction * evicted / rate
   end
 end
 -- bounded load: candidates that would exceed the bound are passed over while any is within

@@ -36,6 +36,9 @@ class Candidate:
         waiting: the engine's waiting queue (``vllm:num_requests_waiting``), for llm-d.
         active_blocks: KV blocks of the requests in flight there (router-tracked), for
             Dynamo's decode term.
+        kv_cached_tokens: the tokens of KV the engine holds with a block hash, in use or
+            cached for reuse (its KV events' held blocks x block size,
+            ``RoutingStats.kv_cached_tokens``) if known.
     """
 
     replica: str
@@ -48,11 +51,17 @@ class Candidate:
     healthy_penalty_s: float = 0.0
     waiting: int = 0
     active_blocks: int = 0
+    kv_cached_tokens: int | None = None
 
     @property
     def kv_free_tokens(self) -> float | None:
         """The engine's free KV cache (tokens; ``kv_free_tokens``)."""
         return kv_free_tokens(self.kv_capacity_tokens, self.kv_usage_frac)
+
+    @property
+    def kv_empty_tokens(self) -> float | None:
+        """The engine's KV that holds nothing (tokens; ``kv_empty_tokens``)."""
+        return kv_empty_tokens(self.kv_capacity_tokens, self.kv_cached_tokens)
 
 
 def kv_free_tokens(capacity_tokens: int | None, usage_frac: float | None) -> float | None:
@@ -107,6 +116,16 @@ class Decision:
     @property
     def replica(self) -> str:
         return self.ranked[0]
+
+
+def kv_empty_tokens(capacity_tokens: int | None, cached_tokens: int | None) -> float | None:
+    """KV cache an engine has that holds no block (tokens): ``capacity_tokens -
+    cached_tokens``, at least 0; None when either is unknown. vLLM keeps a freed block's
+    hash until the block is reused (``BlockPool``: the free queue is an LRU of cached
+    blocks), so once every block has held one, each new block evicts a cached one."""
+    if capacity_tokens is None or cached_tokens is None:
+        return None
+    return float(max(capacity_tokens - cached_tokens, 0))
 
 
 def new_prefix(request: RouteRequest, candidates: Sequence[Candidate]) -> bool:

@@ -67,6 +67,8 @@ class AtomicRoute:
                     expected_output_tokens: float = 0.0,
                     placement_window_s: float = 0.0, kv_pressure: float = 0.0,
                     kv_free_tokens: Sequence[float | None] | None = None,
+                    eviction: float = 0.0,
+                    kv_empty_tokens: Sequence[float | None] | None = None,
                     head: bool = False) -> tuple[str, dict[str, int]]:
         """Choose among ``replicas`` (non-empty) and reserve the choice's load.
 
@@ -84,6 +86,9 @@ class AtomicRoute:
             kv_pressure: the ``PrefixAware`` parameter; kv_free_tokens: per replica, its
                 engine's free KV (tokens, ``Candidate.kv_free_tokens``; None: unknown,
                 no KV term). Default: all unknown.
+            eviction: the ``PrefixAware`` parameter; kv_empty_tokens: per replica, its
+                engine's KV that holds no block (tokens, ``Candidate.kv_empty_tokens``;
+                None: unknown, no eviction term). Default: all unknown.
             u: uniform in [0, 1), the final tie-break (the policy's rng draws it).
             head: ``block_hashes`` are a long prompt's head (``RouteInput.head``): the
                 script's ``route_head`` mode.
@@ -101,15 +106,18 @@ class AtomicRoute:
         load.ensure_heartbeat()
         everyone = replicas
         kv_free_tokens = list(kv_free_tokens or [None] * len(replicas))
+        kv_empty_tokens = list(kv_empty_tokens or [None] * len(replicas))
         group, lease_group = 0, None
         if groups.tagged:
             parts = groups.split(replicas)
             group = self.first_level.choose(block_hashes, parts, request_id)
             ttl_of = dict(zip(replicas, ttls_s))
             free_of = dict(zip(replicas, kv_free_tokens))
+            empty_of = dict(zip(replicas, kv_empty_tokens))
             replicas = parts[group]
             ttls_s = [ttl_of[r] for r in replicas]
             kv_free_tokens = [free_of[r] for r in replicas]
+            kv_empty_tokens = [empty_of[r] for r in replicas]
             # a lease of this request in another group (Serve asked again) goes first
             await load.release_elsewhere(request_id, group)
             lease_group = load.reserving(request_id, group)
@@ -123,8 +131,10 @@ class AtomicRoute:
                 step_token_budget, tie_abs_s, tie_rel,
                 min(load_factor, 1e9), u, int(load.heartbeat_ttl_s * 1000),
                 int(max_inflight or 0), running_weight, interference, expected_output_tokens,
-                placement_window_s * 1000, kv_pressure, *(int(t * 1000) for t in ttls_s),
+                placement_window_s * 1000, kv_pressure, eviction,
+                *(int(t * 1000) for t in ttls_s),
                 *(-1 if f is None else max(float(f), 0.0) for f in kv_free_tokens),
+                *(-1 if e is None else max(float(e), 0.0) for e in kv_empty_tokens),
                 *replicas]
 
         async def run(client):

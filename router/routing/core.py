@@ -32,7 +32,7 @@ from router.policy import (
     RouteRequest,
     cached_tokens,
 )
-from router.policy.base import kv_free_tokens, new_prefix
+from router.policy.base import kv_empty_tokens, kv_free_tokens, new_prefix
 from router.routing.recent import RecentDecisions
 from router.routing.replica import ReplicaInfo, hash_mismatches
 
@@ -477,6 +477,7 @@ class RoutingCore:
             "replica", "usable", "drained", "candidate", "compatible", "matched_blocks",
             "predicted_cached_tokens", "inflight", "prefill_tokens_queued",
             "kv_free_tokens" (the engine's free KV, tokens; None: unknown),
+            "kv_empty_tokens" (its KV that holds no block, tokens; None: unknown),
             "expected_ttft_s", "cost_s" (prefix_aware only)}]}``, candidates best first.
         Raises:
             IndexUnavailable: the index or the load could not be read.
@@ -512,6 +513,7 @@ class RoutingCore:
                    "inflight": c.load.inflight if c else None,
                    "prefill_tokens_queued": c.load.prefill_tokens if c else None,
                    "kv_free_tokens": c.kv_free_tokens if c else None,
+                   "kv_empty_tokens": c.kv_empty_tokens if c else None,
                    "expected_ttft_s": decision.expected_ttft_s.get(rid)}
             if cost is not None and c is not None:
                 row["cost_s"] = cost(req, c, expected.get(rid))
@@ -530,7 +532,8 @@ class RoutingCore:
                           decode_step_s_per_seq=self.settings.decode_step_s,
                           kv_usage_frac=r.stats.kv_usage_frac,
                           kv_capacity_tokens=r.stats.kv_capacity_tokens, waiting=r.stats.waiting,
-                          active_blocks=r.stats.active_blocks)
+                          active_blocks=r.stats.active_blocks,
+                          kv_cached_tokens=r.stats.kv_cached_tokens)
                 for r in pool]
 
     def observe_output(self, output_tokens: int) -> None:
@@ -599,7 +602,10 @@ class RoutingCore:
             placement_window_s=self.load.mean_request_life_s(),
             kv_pressure=policy.kv_pressure,
             kv_free_tokens=[kv_free_tokens(r.stats.kv_capacity_tokens, r.stats.kv_usage_frac)
-                            for r in pool], head=inp.head)
+                            for r in pool], eviction=policy.eviction,
+            kv_empty_tokens=[kv_empty_tokens(r.stats.kv_capacity_tokens,
+                                             r.stats.kv_cached_tokens) for r in pool],
+            head=inp.head)
         self.index_available = True
         if before is not None:
             observed.append((self._route_request(inp, pool),

@@ -105,6 +105,9 @@ class RoutingStats:
             the first report.
         restarts: times the replica restarted its engine.
         active_blocks: KV blocks of the requests in flight there (simulator only).
+        kv_cached_tokens: the tokens of KV the engine holds with a block hash (in use or
+            cached for reuse): the blocks its KV events hold (the replica's event feed's
+            record) x block size; None without live KV events.
         output_tokens_total / requests_finished_total: the engine's
             ``vllm:generation_tokens_total`` and ``vllm:request_success_total`` (the
             expected output length is their ratio over the fleet).
@@ -126,6 +129,7 @@ class RoutingStats:
     engine_alive: bool | None = None
     restarts: int | None = None
     active_blocks: int = 0
+    kv_cached_tokens: int | None = None
     output_tokens_total: float = 0.0
     requests_finished_total: float = 0.0
     scrape_error: str | None = None
