@@ -231,7 +231,8 @@ local function held_prefix(xkey, pkey, half)
   end
   return nblocks, fresh or nblocks, bound
 end
-local F = 24  -- route mode: fixed arguments before the per-candidate ones (TTLs, free KV, empty KV, ids)
+-- route mode: the fixed arguments before the per-candidate ones (TTLs, free KV, empty KV, ids)
+local F = 24
 --! include roots.lua
 -- Only the candidates among the prompt's root holders are walked: the others hold none of
 -- it (roots.lua's invariant). A holder found holding nothing is dropped from the list (once
