@@ -19,7 +19,7 @@ class EngineSnapshot:
     """Totals and gauges of one scrape (``parse_engine_metrics``): counts and totals
     summed over the server's engines; ``kv_usage_frac`` their mean KV usage (0..1);
     ``kv_capacity_tokens`` one engine's KV size in tokens (the server's with one engine),
-    None when unknown; ``engines`` the engines publishing a KV usage gauge (0: none)."""
+    None when unknown."""
 
     running: float = 0.0
     waiting: float = 0.0
@@ -33,7 +33,6 @@ class EngineSnapshot:
     requests_finished_total: float = 0.0
     generation_tokens_total: float = 0.0
     kv_capacity_tokens: int | None = None
-    engines: int = 0
 
     @property
     def computed_prompt_tokens_total(self) -> float:
@@ -92,7 +91,6 @@ def parse_engine_metrics(text: str) -> EngineSnapshot:
                     continue
     if usage:
         snap.kv_usage_frac = sum(usage.values()) / len(usage)
-        snap.engines = len(usage)
         snap.kv_capacity_tokens = None if size is None else size // len(usage)
     return snap
 

@@ -98,10 +98,11 @@ class EngineWatch:
             kv_event_gaps=feed.subscriber.gaps, kv_event_lag_s=feed.health.lag_s(),
             index_dirty=feed.dirty)
         if events.get("kv_events_live"):
-            # one engine's share, as kv_capacity_tokens is (the server's engines alike)
+            # the engine the feed hears: a data-parallel server's first rank (vLLM
+            # publishes each rank's events on the endpoint's port plus the rank), one
+            # engine, as kv_capacity_tokens is one engine's
             held = await feed.record.exact_entry_count(self.replica_id)
-            events["kv_cached_tokens"] = (held * self.settings.block_size
-                                          // max(snap.engines, 1))
+            events["kv_cached_tokens"] = held * self.settings.block_size
         self.stats = RoutingStats(
             prefill_tokens_per_s=self.rate.update(snap), prefill_rate_measured=self.rate.measured,
             **({"kv_events_live": False} | events), engine_pid=engine_pid,

@@ -75,10 +75,11 @@ class PrefixAware(Policy):
       (docs/architecture.md, "The cost model").
     * The cache it evicts: vLLM keeps a freed block's hash until the block is reused (its
       free queue is an LRU of cached blocks, ``BlockPool``), so the request's uncached
-      prompt takes blocks that hold nothing while the engine has some (``empty_r =
-      C_r - cached_r``, ``cached_r`` the tokens its KV events hold, one engine's share,
+      prompt takes the blocks never used while the engine has some (``empty_r = C_r -
+      cached_r``, ``cached_r`` the tokens its KV events hold,
       ``RoutingStats.kv_cached_tokens``), and past them evicts cached prefixes, least
-      recently used first. The queued prefill routed there takes the empty blocks first,
+      recently used first (a freed block without a hash, a partial last block, is among
+      them in that order; the term counts it as empty). The queued prefill routed there takes the empty blocks first,
       as for the KV that will not fit: ``evicted_r = max(uncached_r - max(empty_r -
       queued_r, 0), 0)`` tokens, each charged once at the prefill rate, the recomputation
       of a request that would have found it (a bound: the least recently used block may

@@ -106,8 +106,9 @@ class RoutingStats:
         restarts: times the replica restarted its engine.
         active_blocks: KV blocks of the requests in flight there (simulator only).
         kv_cached_tokens: the tokens of KV the engine holds with a block hash (in use or
-            cached for reuse): the blocks its KV events hold (the replica's event feed's
-            record) x block size; None without live KV events.
+            cached for reuse): the distinct blocks its KV events hold (the replica's event
+            feed's record; of a data-parallel server, the first rank's, whose events the
+            feed receives) x block size; None without live KV events.
         output_tokens_total / requests_finished_total: the engine's
             ``vllm:generation_tokens_total`` and ``vllm:request_success_total`` (the
             expected output length is their ratio over the fleet).
