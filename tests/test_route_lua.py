@@ -124,80 +124,68 @@ async def test_lua_breaks_a_near_tie_by_the_soonest_first_token_as_the_python_po
         assert expected == ("b" if queued == 2000 else "a")
 
 
-async def test_lua_charges_kv_that_will_not_fit_as_the_python_policy(redis_pair):
-    """The KV term (``PrefixAware.kv_overflow_tokens``): engines with little free KV, some
-    of unknown state; the script and the policy choose alike, and the term changes the
-    choice in some trials (so this test fails if the script leaves it out)."""
+def _kv_pressure_state(rng, replicas):
+    capacity = {r: rng.choice([None, 2048, 8192, 65536]) for r in replicas}
+    usage = {r: rng.choice([None, 0.2, 0.9, 1.0]) for r in replicas}
+    return {r: dict(kv_usage_frac=usage[r], kv_capacity_tokens=capacity[r]) for r in replicas}
+
+
+def _eviction_state(rng, replicas):
+    capacity = {r: rng.choice([None, 8192, 65536]) for r in replicas}
+    cached = {r: rng.choice([None, 0, 8192, 65536]) for r in replicas}
+    return {r: dict(kv_capacity_tokens=capacity[r], kv_cached_tokens=cached[r])
+            for r in replicas}
+
+
+# per KV term of PrefixAware: its seed and trials, the engines' random KV state, and the
+# route script's argument that carries it
+KV_TERMS = {
+    "kv_pressure": (5, 80, _kv_pressure_state,
+                    lambda cands: {"kv_free_tokens": [c.kv_free_tokens for c in cands]}),
+    "eviction": (9, 80, _eviction_state,
+                 lambda cands: {"kv_empty_tokens": [c.kv_empty_tokens for c in cands]}),
+}
+
+
+@pytest.mark.parametrize("term", list(KV_TERMS))
+async def test_lua_charges_the_kv_terms_as_the_python_policy(redis_pair, term):
+    """The KV terms: the KV that will not fit (``kv_pressure``,
+    ``PrefixAware.kv_overflow_tokens``: engines with little free KV) and the cached
+    prefixes a request evicts (``eviction``, ``PrefixAware.evicted_tokens``: caches full,
+    nearly full or empty), some engines of unknown state; the script and the policy choose
+    alike, and the term changes the choice in some trials (so this test fails if the
+    script leaves it out). Each trial's loads are its own (accumulated, they would
+    outweigh the terms)."""
     index, load, clock = redis_pair
-    rng = random.Random(5)
+    seed, trials, state, script_args = KV_TERMS[term]
+    rng = random.Random(seed)
     replicas = ["r0", "r1", "r2", "r3"]
     moved = 0
-    for trial in range(40):
-        prefix = [7 * 10**8 + trial * 1000 + i for i in range(rng.randrange(4, 200))]
-        await random_holdings(index, load, rng, replicas, prefix, f"kbg{trial}", 2, 800)
+    for trial in range(trials):
+        prefix = [(seed + 1) * 10**8 + trial * 1000 + i for i in range(rng.randrange(4, 200))]
+        await random_holdings(index, load, rng, replicas, prefix, f"{term}{trial}", 2, 800)
         prompt = len(prefix) * BS + rng.randrange(0, 40)
         out = rng.randrange(0, 60)
-        capacity = {r: rng.choice([None, 2048, 8192, 65536]) for r in replicas}
-        usage = {r: rng.choice([None, 0.2, 0.9, 1.0]) for r in replicas}
+        kv = state(rng, replicas)
         u = rng.random()
         policy = PrefixAware(random.Random())
         policy.rng.random = lambda: u
         loads = await load.loads(replicas)
         matched = await index.lookup(prefix, replicas)
-        cands = [Candidate(r, matched[r], loads[r], 20000.0, 0.005, kv_usage_frac=usage[r],
-                           kv_capacity_tokens=capacity[r]) for r in replicas]
+        cands = [Candidate(r, matched[r], loads[r], 20000.0, 0.005, **kv[r]) for r in replicas]
         req = RouteRequest(prompt, BS, len(prefix), expected_output_tokens=out)
         expected = policy.choose(req, cands).replica
-        policy.kv_pressure = 0.0
+        setattr(policy, term, 0.0)
         moved += policy.choose(req, cands).replica != expected
-        policy.kv_pressure = 1.0
+        setattr(policy, term, 1.0)
         chosen, _ = await AtomicRoute(index, load).route(
-            f"kreq{trial}", prompt, prefix, replicas, [15.0] * 4, **route_kwargs(policy, u),
-            expected_output_tokens=out, kv_pressure=1.0,
-            kv_free_tokens=[c.kv_free_tokens for c in cands])
-        assert chosen == expected, (trial, matched, loads, capacity, usage)
-        await load.release(f"kreq{trial}")
-    assert moved >= 3
-
-
-async def test_lua_charges_the_cache_it_evicts_as_the_python_policy(redis_pair):
-    """The eviction term (``PrefixAware.evicted_tokens``): engines whose caches are full,
-    nearly full or empty, some of unknown state; the script and the policy choose alike,
-    and the term changes the choice in some trials (so this test fails if the script
-    leaves it out)."""
-    index, load, clock = redis_pair
-    rng = random.Random(9)
-    replicas = ["r0", "r1", "r2", "r3"]
-    moved = 0
-    for trial in range(80):
-        prefix = [6 * 10**8 + trial * 1000 + i for i in range(rng.randrange(4, 200))]
-        await random_holdings(index, load, rng, replicas, prefix, f"ebg{trial}", 2, 800)
-        prompt = len(prefix) * BS + rng.randrange(0, 40)
-        out = rng.randrange(0, 60)
-        capacity = {r: rng.choice([None, 8192, 65536]) for r in replicas}
-        cached = {r: rng.choice([None, 0, 8192, 65536]) for r in replicas}
-        u = rng.random()
-        policy = PrefixAware(random.Random())
-        policy.rng.random = lambda: u
-        loads = await load.loads(replicas)
-        matched = await index.lookup(prefix, replicas)
-        cands = [Candidate(r, matched[r], loads[r], 20000.0, 0.005,
-                           kv_capacity_tokens=capacity[r], kv_cached_tokens=cached[r])
-                 for r in replicas]
-        req = RouteRequest(prompt, BS, len(prefix), expected_output_tokens=out)
-        expected = policy.choose(req, cands).replica
-        policy.eviction = 0.0
-        moved += policy.choose(req, cands).replica != expected
-        policy.eviction = 1.0
-        chosen, _ = await AtomicRoute(index, load).route(
-            f"ereq{trial}", prompt, prefix, replicas, [15.0] * 4, **route_kwargs(policy, u),
-            expected_output_tokens=out, eviction=1.0,
-            kv_empty_tokens=[c.kv_empty_tokens for c in cands])
-        assert chosen == expected, (trial, matched, loads, capacity, cached)
-        # each trial's loads its own (accumulated, they would outweigh the term)
-        for name in [f"ereq{trial}"] + [f"ebg{trial}-{r}-0" for r in replicas]:
+            f"req-{term}{trial}", prompt, prefix, replicas, [15.0] * 4,
+            **route_kwargs(policy, u), expected_output_tokens=out, **{term: 1.0},
+            **script_args(cands))
+        assert chosen == expected, (trial, matched, loads, kv)
+        for name in [f"req-{term}{trial}"] + [f"{term}{trial}-{r}-0" for r in replicas]:
             await load.release(name)
-    assert moved >= 3
+    assert moved >= 3, moved
 
 
 async def test_lua_places_a_new_prefix_as_the_python_policy(redis_pair):
