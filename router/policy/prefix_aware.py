@@ -169,9 +169,12 @@ class PrefixAware(Policy):
         bound = max(self.load_factor * mean, mean + 2)
         return bound if self.max_inflight is None else min(bound, self.max_inflight)
 
-    def expected_ttft_s(self, request: RouteRequest, c: Candidate) -> float:
-        """Expected time to first token on candidate ``c`` (s)."""
-        uncached = self._uncached(request, c)
+    def expected_ttft_s(self, request: RouteRequest, c: Candidate,
+                        uncached: int | None = None) -> float:
+        """Expected time to first token on candidate ``c`` (s). ``uncached``: the
+        request's uncached tokens there, when the caller has them (``uncached_tokens``)."""
+        if uncached is None:
+            uncached = self.uncached_tokens(request, c)
         work = max(c.load.prefill_tokens, 0) + uncached
         steps = math.ceil(work / self.step_token_budget)
         return (work / c.prefill_tokens_per_s
@@ -200,42 +203,61 @@ class PrefixAware(Policy):
         """The quantity minimised: TTFT plus the delay imposed on others (s).
         ``expected_inflight``: the candidate's entry of ``expected_inflight`` (default:
         its requests in flight)."""
+        return self._cost_and_ttft(request, c, expected_inflight)[0]
+
+    def _cost_and_ttft(self, request: RouteRequest, c: Candidate,
+                       expected_inflight: float | None) -> tuple[float, float]:
+        """``cost_s`` and ``expected_ttft_s`` of candidate ``c`` (s, s), the request's
+        uncached tokens there derived once."""
         n = max(c.load.inflight, 0)
         m = n if expected_inflight is None else expected_inflight
-        return (self.expected_ttft_s(request, c)
+        uncached = self.uncached_tokens(request, c)
+        ttft = self.expected_ttft_s(request, c, uncached)
+        cost = (ttft
                 + (self.work_weight + self.running_weight * m)
-                * self._uncached(request, c) / c.prefill_tokens_per_s
+                * uncached / c.prefill_tokens_per_s
                 + self.interference * 2 * c.decode_step_s_per_seq
                 * request.expected_output_tokens * m
                 + self.kv_pressure * (1 + self.work_weight + m)
-                * self.kv_overflow_tokens(request, c) / c.prefill_tokens_per_s
-                + self.eviction * self.evicted_tokens(request, c) / c.prefill_tokens_per_s
+                * self.kv_overflow_tokens(request, c, uncached) / c.prefill_tokens_per_s
+                + self.eviction * self.evicted_tokens(request, c, uncached)
+                / c.prefill_tokens_per_s
                 + c.healthy_penalty_s)
+        return cost, ttft
 
-    def evicted_tokens(self, request: RouteRequest, c: Candidate) -> float:
+    def evicted_tokens(self, request: RouteRequest, c: Candidate,
+                       uncached: int | None = None) -> float:
         """Cached tokens this request's uncached prompt would evict on candidate ``c``
         (tokens): ``max(uncached_r - max(empty_r - queued_r, 0), 0)`` with ``empty_r`` the
         engine's KV that holds no block (``Candidate.kv_empty_tokens``); 0 when that is
-        unknown. The class docstring says what they cost."""
+        unknown. The class docstring says what they cost. ``uncached``: as
+        ``expected_ttft_s`` takes it."""
         empty = c.kv_empty_tokens
         if empty is None:
             return 0.0
-        return max(self._uncached(request, c) - max(empty - max(c.load.prefill_tokens, 0), 0.0),
-                   0.0)
+        if uncached is None:
+            uncached = self.uncached_tokens(request, c)
+        return max(uncached - max(empty - max(c.load.prefill_tokens, 0), 0.0), 0.0)
 
-    def kv_overflow_tokens(self, request: RouteRequest, c: Candidate) -> float:
+    def kv_overflow_tokens(self, request: RouteRequest, c: Candidate,
+                           uncached: int | None = None) -> float:
         """Tokens of this request's KV that will not fit on candidate ``c`` (tokens):
         ``max(uncached_r + D - max(free_r - queued_r, 0), 0)``, with ``free_r`` the
         engine's free KV (``Candidate.kv_free_tokens``); 0 when the engine's KV state is
-        unknown. The class docstring says what they cost."""
+        unknown. The class docstring says what they cost. ``uncached``: as
+        ``expected_ttft_s`` takes it."""
         free = c.kv_free_tokens
         if free is None:
             return 0.0
-        need = self._uncached(request, c) + request.expected_output_tokens
+        if uncached is None:
+            uncached = self.uncached_tokens(request, c)
+        need = uncached + request.expected_output_tokens
         return max(need - max(free - max(c.load.prefill_tokens, 0), 0.0), 0.0)
 
     @staticmethod
-    def _uncached(request: RouteRequest, c: Candidate) -> int:
+    def uncached_tokens(request: RouteRequest, c: Candidate) -> int:
+        """The request's prompt tokens candidate ``c`` would compute (tokens, at least 1:
+        vLLM computes the last token whatever it holds, ``max_cached_blocks``)."""
         cached = cached_tokens(c.matched_blocks, request.prompt_tokens, request.block_size)
         return max(request.prompt_tokens - cached, 1)
 
@@ -244,8 +266,10 @@ class PrefixAware(Policy):
         within = [c for c in candidates
                   if max(c.load.inflight, 0) + 1 <= bound] or list(candidates)
         expected = self.expected_inflight(request, candidates)
-        costs = {c.replica: self.cost_s(request, c, expected[c.replica]) for c in candidates}
-        ttft = {c.replica: self.expected_ttft_s(request, c) for c in candidates}
+        both = {c.replica: self._cost_and_ttft(request, c, expected[c.replica])
+                for c in candidates}
+        costs = {r: cost for r, (cost, _) in both.items()}
+        ttft = {r: t for r, (_, t) in both.items()}
         predicted = self._predicted(request, candidates)
         pool = within
         best = min(costs[c.replica] for c in pool)
